@@ -1,0 +1,1 @@
+"""Benchmarks (GPU measurements and throughput scripts)."""
