@@ -1,0 +1,117 @@
+"""``specfit <command> [overrides]``: every argument after the command is a Hydra override.
+
+Hydra's own flags work too (``--cfg job`` prints the composed config, ``-m`` sweeps, ``--help``).
+Problems the user can fix are printed as one line (``specfit: error: ...``), exit status 2.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+from specfit.errors import SpecfitError
+
+USAGE = """usage: specfit <command> [key=value ...] [hydra flags]
+
+commands:
+  demo       decode built-in prompts with several methods and print the comparison (the main job)
+  generate   decode a prompt:  specfit generate model.path=DIR prompt="..." cache=lru cache.capacity=16
+  plugins    list registered plugins (--json for machine-readable output)
+
+Overrides use Hydra syntax; `specfit <command> --cfg job` shows every key. Docs: docs/user-guide.md
+"""
+
+# command -> (primary config, job)
+HYDRA_COMMANDS: dict[str, str] = {"generate": "config", "demo": "demo"}
+
+# Hydra flags that take a value: skipped when pre-validating overrides.
+_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+                     "--config-dir", "-cd", "--experimental-rerun", "--info", "-i"}
+_SWEEP = re.compile(r"(^|=)\s*(range|choice|glob|interval|shuffle|sort|tag)\(|,")
+
+
+def _fail(message: str) -> None:
+    print(f"specfit: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def plain_overrides(args: list[str]) -> list[str]:
+    """The key=value overrides of ``args`` that compose() can check up front (no flags, sweeps, hydra.*)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a.startswith("-"):
+            skip = a in _FLAGS_WITH_VALUE
+            continue
+        key = a.split("=", 1)[0].lstrip("+~")
+        if "=" in a and not key.startswith("hydra") and not _SWEEP.search(a.split("=", 1)[1] if "=" in a else a):
+            out.append(a)
+    return out
+
+
+def _job(command: str) -> Callable:
+    def job(cfg, output_dir: Path, overrides: list[str]) -> None:
+        if command == "generate":
+            from specfit.commands.generate import run
+
+            run(cfg, output_dir)
+        elif command == "demo":
+            from specfit.commands.compare import run
+
+            run(cfg, output_dir, overrides)
+
+    return job
+
+
+def _run_hydra(command: str, args: list[str]) -> None:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from specfit.config import compose
+    from specfit.registry import get_plugins
+
+    get_plugins()  # plugin configs must be in Hydra's ConfigStore before it composes
+    config_name = HYDRA_COMMANDS[command]
+    overrides = plain_overrides(args)
+    is_query = any(a in ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i") for a in args)
+    if not is_query and not any(a in ("-m", "--multirun") for a in args):
+        compose(overrides, config_name=config_name)  # one clear line for a bad key, before Hydra's verbose report
+    job = _job(command)
+
+    @hydra.main(version_base="1.3", config_path="pkg://specfit.conf", config_name=config_name)
+    def app(cfg) -> None:
+        hc = HydraConfig.get()
+        try:
+            job(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task))
+        except SpecfitError as exc:
+            _fail(str(exc))
+
+    sys.argv = [f"specfit-{command}", *args]
+    app()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return
+    command, rest = args[0], args[1:]
+    try:
+        if command == "plugins":
+            from specfit.commands.plugins import run
+
+            run(as_json="--json" in rest)
+        elif command in HYDRA_COMMANDS:
+            _run_hydra(command, rest)
+        else:
+            _fail(f"unknown command {command!r}\n{USAGE}")
+    except SpecfitError as exc:
+        _fail(str(exc))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The jobs behind ``specfit <command>``; each takes a composed config."""

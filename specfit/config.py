@@ -1,0 +1,178 @@
+"""Structured configuration: the schema every Hydra config is checked against.
+
+Each pluggable part is a config group (``drafter``, ``selector``, ``cost_model``, ``cache``,
+``predictor``) whose options are the registered plugins' ``Config`` dataclasses, so a misspelled key
+or a wrong type fails at composition. ``model`` and ``workload`` are plain groups with presets in
+``conf/``. :func:`compose` is the programmatic entry point (Hydra's compose API).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from omegaconf import MISSING, DictConfig
+
+from specfit.errors import ConfigError
+
+CONFIG_MODULE = "specfit.conf"
+
+
+# --------------------------------------------------------------------------- plugin group bases
+
+
+@dataclass
+class PluginConfig:
+    """Every plugin config names its plugin; the registry, not ``_target_``, resolves it."""
+
+    name: str = MISSING
+
+
+@dataclass
+class DrafterConfig(PluginConfig):
+    pass
+
+
+@dataclass
+class SelectorConfig(PluginConfig):
+    pass
+
+
+@dataclass
+class CostModelConfig(PluginConfig):
+    pass
+
+
+@dataclass
+class PredictorConfig(PluginConfig):
+    pass
+
+
+@dataclass
+class LinkConfig:
+    """Emulated host-to-device link (``cache.copy=emulated``): explicit values override the profile."""
+
+    profile: str | None = "qwen3-30b-a3b-pcie4"
+    bandwidth_gbps: float | None = None
+    latency_us: float | None = None
+    ref_expert_bytes: int | None = None
+
+
+@dataclass
+class CacheConfig(PluginConfig):
+    """Expert cache: a residency policy plus the slots and copy engine it runs on."""
+
+    capacity: int | None = None  # device slots per MoE layer (experts)
+    capacity_bytes: int | None = None  # alternative: device bytes for all layers' slots
+    copy: str = "torch"  # triton | torch | emulated
+    link: LinkConfig = field(default_factory=LinkConfig)
+
+
+PLUGIN_BASES: dict[str, type[PluginConfig]] = {
+    "drafter": DrafterConfig,
+    "selector": SelectorConfig,
+    "cost_model": CostModelConfig,
+    "cache": CacheConfig,
+    "predictor": PredictorConfig,
+}
+
+
+# --------------------------------------------------------------------------- plain groups
+
+
+@dataclass
+class ModelConfig:
+    """The target MoE model: a local Hugging Face checkpoint or a model built in code."""
+
+    path: str | None = None  # checkpoint directory (or hub id where a hub is reachable)
+    builtin: str | None = None  # tiny-qwen3-moe | tiny-olmoe | tiny-mixtral (random weights, seeded)
+    tokenizer: str | None = None  # defaults to ``path``
+    dtype: str = "auto"  # auto (the checkpoint's own) | float32 | bfloat16 | float16
+    device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
+    attn_implementation: str = "sdpa"  # sdpa | eager
+    seed: int = 0  # weights of built-in models
+
+
+@dataclass
+class WorkloadConfig:
+    """Prompts to decode: inline strings or token ids, or a JSONL file."""
+
+    name: str = "inline"
+    prompts: list[str] = field(default_factory=list)
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    path: str | None = None  # JSONL with a "prompt" (text) or "prompt_ids" field per line
+    max_prompts: int | None = None
+
+
+@dataclass
+class SamplingConfig:
+    """temperature 0 is greedy; otherwise temperature, then top-k, then top-p (as in HF)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+
+@dataclass
+class SpecfitConfig:
+    model: ModelConfig = MISSING
+    drafter: DrafterConfig = MISSING
+    selector: SelectorConfig = MISSING
+    cost_model: CostModelConfig | None = None
+    cache: CacheConfig = MISSING
+    predictor: PredictorConfig | None = None
+    workload: WorkloadConfig = MISSING
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    max_new_tokens: int = 64
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    results_file: str = "results.jsonl"
+    # Named methods for comparisons (`specfit demo`, `specfit bench`): overrides applied per method.
+    methods: list[str] = field(default_factory=list)
+    method_presets: dict[str, list[str]] = field(default_factory=dict)
+    repeats: int = 1
+
+
+def store_schemas(cs: Any) -> None:
+    """Put the schema nodes into Hydra's ConfigStore (idempotent)."""
+    cs.store(name="specfit_schema", node=SpecfitConfig)
+
+
+def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictConfig:
+    """Compose a config from the packaged conf/ tree and ``overrides`` (Hydra syntax).
+
+    Loads plugins first so third-party config groups are known. Works inside a running Hydra app
+    too (``specfit bench`` composes one config per method).
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from specfit.registry import get_plugins
+
+    get_plugins()
+    try:
+        if GlobalHydra.instance().is_initialized():
+            return hydra_compose(config_name=config_name, overrides=list(overrides))
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            return hydra_compose(config_name=config_name, overrides=list(overrides))
+    except Exception as exc:  # hydra/omegaconf raise many types; all are config mistakes here
+        raise ConfigError(one_line_config_error(exc)) from exc
+
+
+def one_line_config_error(exc: BaseException) -> str:
+    """Hydra's messages span lines and end in hints about HYDRA_FULL_ERROR; keep what names the problem."""
+    seen = []
+    err: BaseException | None = exc
+    while err is not None:
+        for line in str(err).splitlines():
+            line = line.strip()
+            if not line or line.startswith(("full_key:", "object_type=", "reference_type=", "Set the environment")):
+                continue
+            if line not in seen:
+                seen.append(line)
+        err = err.__cause__
+    return " ".join(seen) or type(exc).__name__

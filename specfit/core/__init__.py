@@ -1,0 +1,1 @@
+"""The machinery: decode loop, draft tree, verification, offloaded-experts runtime."""

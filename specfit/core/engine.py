@@ -1,0 +1,228 @@
+"""The decode loop: draft a tree level by level, select a subtree, verify it, accept, commit.
+
+Autoregressive decoding is the same loop with a drafter that proposes nothing: each cycle then
+verifies only the root and commits the target's next token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from specfit.core.acceptance import accept
+from specfit.core.copy_engines import CopyEngine, LinkSettings, make_copy_engine
+from specfit.core.offload import OffloadRuntime
+from specfit.core.sampling import Sampler, SamplingParams
+from specfit.core.stats import CycleRecord, RunStats
+from specfit.core.target import Target
+from specfit.core.tree import DraftTree, verify_block
+from specfit.errors import ConfigError
+from specfit.interfaces import Selection, SelectionContext
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[int]  # generated tokens (the prompt excluded)
+    text: str | None  # decoded text, when the model has a tokenizer
+    stats: dict[str, Any]  # the results.jsonl keys
+    prompt_ids: list[int] = field(default_factory=list)
+    cycles: list[CycleRecord] = field(default_factory=list)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class Engine:
+    """An offloaded MoE target plus its drafter, selector, cost model, predictor and expert cache.
+
+    Building an Engine replaces the model's experts modules with offloaded ones (the model is
+    modified in place) and moves the rest of the model to ``device``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        cache: Any = None,
+        copy: str | CopyEngine = "torch",
+        link: LinkSettings | None = None,
+        drafter: Any = None,
+        selector: Any = None,
+        cost_model: Any = None,
+        predictor: Any = None,
+        tokenizer: Any = None,
+        device: str | torch.device | None = None,
+        sampling: SamplingParams | None = None,
+        max_new_tokens: int = 64,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        info: dict[str, Any] | None = None,
+    ) -> None:
+        from specfit.plugins.caches.lru import LRUCache
+        from specfit.plugins.drafters.none import NoDrafter
+        from specfit.plugins.selectors.eagle3 import VerifyAllSelector
+
+        self.device = torch.device(device) if device is not None else default_device()
+        self.copy_engine = copy if not isinstance(copy, str) else make_copy_engine(copy, self.device, link)
+        self.runtime = OffloadRuntime(model, cache if cache is not None else LRUCache(), self.copy_engine, self.device)
+        model.to(self.device).eval()
+        self.model = model
+        self.spec = self.runtime.spec
+        self.target = Target(model, self.runtime)
+        self.tokenizer = tokenizer
+        self.drafter = drafter if drafter is not None else NoDrafter()
+        self.selector = selector if selector is not None else VerifyAllSelector()
+        self.cost_model = cost_model
+        self.predictor = predictor
+        self.drafter.bind(self.target)
+        self.target.feature_layers = tuple(self.drafter.feature_layers())
+        self.selector.bind(self.spec)
+        for part in (cost_model, predictor):
+            if part is not None:
+                part.bind(self.spec if part is cost_model else self.target)
+        self.sampling = sampling or SamplingParams()
+        self.max_new_tokens = max_new_tokens
+        self.stop_token_ids = set(stop_token_ids)
+        if not ignore_eos:
+            self.stop_token_ids |= _eos_ids(model, tokenizer)
+        self.info = {
+            "drafter": self.drafter.name,
+            "selector": self.selector.name,
+            "cache": self.runtime.policy.name,
+            "cache_slots_per_layer": self.runtime.slots_per_layer,
+            "copy_engine": self.copy_engine.describe(),
+            "h2d_emulated": bool(self.copy_engine.emulated),
+            **(info or {}),
+        }
+
+    # ------------------------------------------------------------------ public API
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int | None = None,
+        sampling: SamplingParams | None = None,
+    ) -> GenerationOutput:
+        """Decode from ``prompt`` (text needs a tokenizer; token ids always work)."""
+        ids = self._encode(prompt)
+        limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        sampler = Sampler(sampling or self.sampling, self.device)
+        stats = RunStats(prompt_tokens=len(ids), info=dict(self.info))
+        out: list[int] = []
+        with torch.inference_mode():
+            start = _now(self.device)
+            prefill = self.target.prefill(ids)
+            out.append(sampler.next_token(prefill.logits[-1]))
+            self.drafter.start(ids, prefill.features, out[-1])
+            stats.prefill_seconds = _now(self.device) - start
+            decode_start = self.runtime.stats.copy()
+            while len(out) < limit and out[-1] not in self.stop_token_ids:
+                record, tokens = self._cycle(out[-1], sampler)
+                tokens = self._truncate(tokens, limit - len(out))
+                record.committed = len(tokens)
+                out.extend(tokens)
+                stats.cycles.append(record)
+            stats.total_seconds = _now(self.device) - start
+            stats.cache = self.runtime.stats.since(decode_start)
+        stats.output_tokens = len(out)
+        text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else None
+        return GenerationOutput(out, text, stats.summary(), prompt_ids=ids, cycles=stats.cycles)
+
+    # ------------------------------------------------------------------ one cycle
+
+    def _cycle(self, root: int, sampler: Sampler) -> tuple[CycleRecord, list[int]]:
+        t0 = _now(self.device)
+        tree = DraftTree(root_token=root)
+        selection = Selection(nodes=[])
+        select_seconds = 0.0
+        for level in self.drafter.draft(tree):
+            if self.predictor is not None:
+                self.predictor.predict(tree, level)
+            t_sel = _now(self.device)
+            ctx = SelectionContext(
+                resident=self.runtime.resident(),
+                draft_seconds=t_sel - t0 - select_seconds,
+                max_depth=getattr(self.drafter, "depth", tree.depth),
+                cost_model=self.cost_model,
+            )
+            selection = self.selector.select(tree, ctx)
+            select_seconds += _now(self.device) - t_sel
+            if selection.stop:
+                break
+        t_verify = _now(self.device)
+        draft_seconds = t_verify - t0 - select_seconds
+
+        block = verify_block(tree, selection.nodes)
+        before = self.runtime.stats.copy()
+        prefix = self.target.kv_len
+        result = self.target.verify(block)
+        acc = accept(block, result.logits, sampler)
+        kept = [0] + acc.path
+        self.target.keep(prefix, kept)
+        verify_seconds = _now(self.device) - t_verify
+        during = self.runtime.stats.since(before)
+
+        kept_tokens = [block.tokens[p] for p in kept]
+        features = result.features[kept] if result.features is not None else None
+        self.drafter.commit(kept_tokens, features, acc.bonus)
+        if self.predictor is not None:
+            self.predictor.observe(kept_tokens, result.routing[kept])
+        record = CycleRecord(
+            drafted=len(tree),
+            verified=len(block) - 1,
+            accepted=len(acc.path),
+            committed=len(acc.path) + 1,
+            draft_seconds=draft_seconds,
+            select_seconds=select_seconds,
+            verify_seconds=verify_seconds,
+            h2d_seconds=during.h2d_seconds,
+            total_seconds=_now(self.device) - t0,
+            misses=during.misses,
+            union=[int(u) for u in during.union_sum],
+            predicted=dict(selection.predicted),
+        )
+        return record, kept_tokens[1:] + [acc.bonus]
+
+    def _truncate(self, tokens: list[int], room: int) -> list[int]:
+        tokens = tokens[:room]
+        for i, t in enumerate(tokens):
+            if t in self.stop_token_ids:
+                return tokens[: i + 1]
+        return tokens
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("this model has no tokenizer: give the prompt as token ids (prompt_ids=[...])")
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ConfigError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab})")
+        return ids
+
+
+def _eos_ids(model: nn.Module, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is None:
+            continue
+        ids |= set(eos) if isinstance(eos, (list, tuple, set)) else {int(eos)}
+    return ids
+
+
+def _now(device: torch.device) -> float:
+    """Wall clock, after the device has finished its queued work (so timings are real)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

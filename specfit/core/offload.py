@@ -1,0 +1,220 @@
+"""The offloaded-experts runtime: host expert store, device slot pool, and the layer that uses them.
+
+Each MoE layer's experts module is replaced by :class:`OffloadedExperts`, which computes only on
+device-resident slots. Per pass and layer, the union of routed experts is admitted through the
+cache policy in rounds (one round unless the union exceeds the slots); each round's missing
+experts are copied in one batch by the copy engine, then computed. Outputs are reduced per token
+over its top-k in a fixed order, so the result does not depend on how rounds were split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specfit.core.moe import MoESpec, find_experts, moe_spec
+from specfit.errors import ConfigError, PluginError
+
+if TYPE_CHECKING:
+    from specfit.core.copy_engines import CopyEngine
+    from specfit.interfaces.protocols import ExpertCache
+
+
+@dataclass
+class CacheStats:
+    """Counters of the expert cache; ``hits + misses`` = distinct experts requested per layer per pass."""
+
+    hits: int = 0
+    misses: int = 0
+    h2d_bytes: int = 0
+    h2d_seconds: float = 0.0
+    copy_calls: int = 0
+    passes: int = 0
+    union_sum: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per layer, summed over passes
+    preload_bytes: int = 0
+
+    def copy(self) -> CacheStats:
+        return dataclasses.replace(self, union_sum=self.union_sum.copy())
+
+    def since(self, earlier: CacheStats) -> CacheStats:
+        """Counters accumulated after ``earlier`` (a copy taken before)."""
+        return CacheStats(
+            hits=self.hits - earlier.hits,
+            misses=self.misses - earlier.misses,
+            h2d_bytes=self.h2d_bytes - earlier.h2d_bytes,
+            h2d_seconds=self.h2d_seconds - earlier.h2d_seconds,
+            copy_calls=self.copy_calls - earlier.copy_calls,
+            passes=self.passes - earlier.passes,
+            union_sum=self.union_sum - earlier.union_sum,
+            preload_bytes=self.preload_bytes,
+        )
+
+    def union_per_layer(self) -> np.ndarray:
+        return self.union_sum / max(self.passes, 1)
+
+
+def resolve_capacity(spec: MoESpec, capacity: int | None, capacity_bytes: int | None, default: int) -> int:
+    """Slots per layer from ``cache.capacity`` (experts) or ``cache.capacity_bytes`` (all layers)."""
+    if capacity is not None and capacity_bytes is not None:
+        raise ConfigError("set cache.capacity or cache.capacity_bytes, not both")
+    if capacity_bytes is not None:
+        capacity = int(capacity_bytes) // (spec.expert_bytes * spec.num_layers)
+        source = f"cache.capacity_bytes={capacity_bytes} ({capacity} experts per layer of {spec.expert_bytes} bytes)"
+    elif capacity is not None:
+        source = f"cache.capacity={capacity}"
+    else:
+        capacity, source = default, f"the default capacity {default}"
+    if capacity < spec.top_k:
+        raise ConfigError(
+            f"{source} is below the model's top-k ({spec.top_k}): one token needs {spec.top_k} experts of a layer at once"
+        )
+    return min(int(capacity), spec.num_experts)
+
+
+class OffloadedExperts(nn.Module):
+    """Drop-in replacement for a transformers experts module; weights live in the runtime."""
+
+    def __init__(self, runtime: OffloadRuntime, layer: int, act_fn: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.act_fn = act_fn
+        self.num_experts = runtime.spec.num_experts
+        object.__setattr__(self, "_runtime", runtime)  # not a submodule: .to() must not move the store
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        return self._runtime.run_layer(self.layer, hidden_states, top_k_index, top_k_weights, self.act_fn)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, experts={self.num_experts}, offloaded"
+
+
+class OffloadRuntime:
+    """Owns the host store, the device slots and the resident map; asks the policy what to keep."""
+
+    def __init__(self, model: nn.Module, policy: ExpertCache, copy_engine: CopyEngine, device: torch.device | str) -> None:
+        experts = find_experts(model)
+        self.spec = moe_spec(model, experts)
+        self.policy = policy
+        self.copy_engine = copy_engine
+        self.device = torch.device(device)
+        spec = self.spec
+        self.slots_per_layer = int(policy.bind(spec))
+        if self.slots_per_layer < spec.top_k:
+            raise PluginError(f"cache '{policy.name}' asked for {self.slots_per_layer} slots per layer, below top-k {spec.top_k}")
+        pin = self.device.type == "cuda"
+        self.stores: list[torch.Tensor] = []
+        for layer, (name, module) in enumerate(experts):
+            e = spec.num_experts
+            store = torch.cat([module.gate_up_proj.detach().reshape(e, -1), module.down_proj.detach().reshape(e, -1)], dim=1)
+            self.stores.append(store.pin_memory() if pin else store.contiguous())
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, OffloadedExperts(self, layer, module.act_fn))
+        self.slots = [
+            torch.empty(self.slots_per_layer, spec.expert_numel, dtype=spec.dtype, device=self.device)
+            for _ in range(spec.num_layers)
+        ]
+        split = 2 * spec.intermediate_size * spec.hidden_size
+        self._gate_up = [[s[i, :split].view(2 * spec.intermediate_size, spec.hidden_size) for i in range(len(s))] for s in self.slots]
+        self._down = [[s[i, split:].view(spec.hidden_size, spec.intermediate_size) for i in range(len(s))] for s in self.slots]
+        self.slot_expert = np.full((spec.num_layers, self.slots_per_layer), -1, dtype=np.int64)
+        self.stats = CacheStats(union_sum=np.zeros(spec.num_layers))
+        self._routing: list[torch.Tensor | None] = [None] * spec.num_layers
+        self._preload()
+        model.register_forward_pre_hook(lambda *_: self.begin_pass())
+
+    # ------------------------------------------------------------------ per pass
+
+    def begin_pass(self) -> None:
+        self.policy.begin_pass()
+        self.stats.passes += 1
+        self._routing = [None] * self.spec.num_layers
+
+    def routing(self) -> np.ndarray:
+        """Experts routed in the last pass: int [tokens, layers, top_k]."""
+        if any(r is None for r in self._routing):
+            raise RuntimeError("no complete pass recorded yet")
+        return torch.stack(self._routing, dim=1).numpy()  # type: ignore[arg-type]
+
+    def resident(self) -> np.ndarray:
+        return self.policy.resident()
+
+    def run_layer(
+        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, act_fn: nn.Module
+    ) -> torch.Tensor:
+        tokens, k = top_k_index.shape
+        flat = top_k_index.reshape(-1).to("cpu", torch.int64)  # the one host sync of the layer
+        self._routing[layer] = flat.view(tokens, k)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.spec.num_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        needed = torch.nonzero(counts).squeeze(1).tolist()
+        self.stats.union_sum[layer] += len(needed)
+
+        order_dev = order.to(hidden.device)
+        weights = top_k_weights.reshape(-1)
+        out = hidden.new_zeros(tokens * k, hidden.shape[-1])
+        remaining = needed
+        while remaining:
+            admission = self.policy.admit(layer, remaining)
+            self._check_admission(layer, remaining, admission)
+            if admission.loads:
+                self._load(layer, admission.loads)
+            self.stats.misses += len(admission.loads)
+            self.stats.hits += len(admission.slots) - len(admission.loads)
+            for expert, slot in admission.slots.items():
+                start, n = int(starts[expert]), int(counts[expert])
+                pos = order_dev[start : start + n]
+                x = hidden[pos // k]
+                gate, up = F.linear(x, self._gate_up[layer][slot]).chunk(2, dim=-1)
+                y = F.linear(act_fn(gate) * up, self._down[layer][slot])
+                out[pos] = (y * weights[pos, None]).to(out.dtype)
+            remaining = [e for e in remaining if e not in admission.slots]
+        return out.view(tokens, k, -1).sum(dim=1)
+
+    # ------------------------------------------------------------------ copies
+
+    def _load(self, layer: int, loads: Sequence[tuple[int, int]]) -> None:
+        src = torch.tensor([e for e, _ in loads], dtype=torch.int64)
+        dst = torch.tensor([s for _, s in loads], dtype=torch.int64)
+        record = self.copy_engine.copy(self.stores[layer], src, self.slots[layer], dst)
+        for e, s in loads:
+            self.slot_expert[layer, s] = e
+        self.stats.h2d_bytes += record.bytes
+        self.stats.h2d_seconds += record.seconds
+        self.stats.copy_calls += 1
+
+    def _preload(self) -> None:
+        by_layer: dict[int, list[tuple[int, int]]] = {}
+        for layer, expert, slot in self.policy.preload():
+            by_layer.setdefault(layer, []).append((expert, slot))
+        for layer, loads in by_layer.items():
+            src = torch.tensor([e for e, _ in loads], dtype=torch.int64)
+            dst = torch.tensor([s for _, s in loads], dtype=torch.int64)
+            record = self.copy_engine.copy(self.stores[layer], src, self.slots[layer], dst)
+            for e, s in loads:
+                self.slot_expert[layer, s] = e
+            self.stats.preload_bytes += record.bytes
+
+    def _check_admission(self, layer: int, wanted: list[int], admission) -> None:  # noqa: ANN001
+        """A policy bug must fail loudly, never compute with the wrong weights."""
+        name = self.policy.name
+        if not admission.slots:
+            raise PluginError(f"cache '{name}' admitted nothing in layer {layer} (wanted {wanted[:8]}...)")
+        slots = list(admission.slots.values())
+        if len(set(slots)) != len(slots):
+            raise PluginError(f"cache '{name}' put two experts in one slot in layer {layer}")
+        loaded = dict(admission.loads)
+        for expert, slot in admission.slots.items():
+            if expert not in wanted or not 0 <= slot < self.slots_per_layer:
+                raise PluginError(f"cache '{name}' admitted expert {expert} to slot {slot} in layer {layer}: invalid")
+            if expert not in loaded and self.slot_expert[layer, slot] != expert:
+                raise PluginError(f"cache '{name}' claims expert {expert} is resident in layer {layer} slot {slot}, it is not")
+        if any(loaded[e] != admission.slots.get(e) for e in loaded):
+            raise PluginError(f"cache '{name}' loads an expert it did not admit, or into another slot, in layer {layer}")

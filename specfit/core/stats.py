@@ -1,0 +1,73 @@
+"""Per-cycle records and the run summary (keys follow vLLM / Spec-Bench where they exist)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from specfit.core.offload import CacheStats
+
+
+@dataclass
+class CycleRecord:
+    """One draft-select-verify cycle (an autoregressive step is a cycle with an empty tree)."""
+
+    drafted: int  # nodes in the draft tree
+    verified: int  # draft nodes verified (root excluded)
+    accepted: int  # draft nodes accepted
+    committed: int  # tokens committed (accepted + bonus), after truncation at stop / max tokens
+    draft_seconds: float
+    select_seconds: float
+    verify_seconds: float  # wall time of the verification pass, H2D included
+    h2d_seconds: float
+    total_seconds: float
+    misses: int
+    union: list[int]  # experts per MoE layer in the verification pass
+    predicted: dict[str, float] = field(default_factory=dict)  # the selector's predictions, if any
+
+
+@dataclass
+class RunStats:
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    prefill_seconds: float = 0.0
+    total_seconds: float = 0.0
+    cycles: list[CycleRecord] = field(default_factory=list)
+    cache: CacheStats | None = None  # decode phase only (prefill excluded)
+    info: dict[str, Any] = field(default_factory=dict)  # engine description (cache, copy engine, ...)
+
+    def summary(self) -> dict[str, Any]:
+        cycles = self.cycles
+        n = max(len(cycles), 1)
+        decode_seconds = self.total_seconds - self.prefill_seconds
+        cache = self.cache
+        union = cache.union_per_layer() if cache is not None else np.zeros(0)
+        return {
+            "num_prompt_tokens": self.prompt_tokens,
+            "num_output_tokens": self.output_tokens,
+            "total_seconds": self.total_seconds,
+            "ttft_ms": 1e3 * self.prefill_seconds,
+            "output_throughput": self.output_tokens / self.total_seconds if self.total_seconds > 0 else 0.0,
+            "decode_throughput": (self.output_tokens - 1) / decode_seconds if decode_seconds > 0 else 0.0,
+            "mean_tpot_ms": 1e3 * decode_seconds / max(self.output_tokens - 1, 1),
+            "cycles": len(cycles),
+            "spec_decode_acceptance_length": sum(c.accepted + 1 for c in cycles) / n,
+            "num_drafts": sum(1 for c in cycles if c.drafted),
+            "draft_tokens": sum(c.drafted for c in cycles),
+            "verified_nodes": sum(c.verified for c in cycles),
+            "verified_nodes_per_cycle": sum(c.verified for c in cycles) / n,
+            "accepted_tokens": sum(c.accepted for c in cycles),
+            "expert_cache_hits": cache.hits if cache else 0,
+            "expert_cache_misses": cache.misses if cache else 0,
+            "expert_cache_hit_rate": cache.hits / max(cache.hits + cache.misses, 1) if cache else 0.0,
+            "h2d_bytes": cache.h2d_bytes if cache else 0,
+            "h2d_seconds": cache.h2d_seconds if cache else 0.0,
+            "experts_per_layer_union": float(union.mean()) if union.size else 0.0,
+            "experts_per_layer_union_by_layer": [round(float(u), 3) for u in union],
+            "draft_seconds": sum(c.draft_seconds for c in cycles),
+            "select_seconds": sum(c.select_seconds for c in cycles),
+            "verify_compute_seconds": sum(c.verify_seconds - c.h2d_seconds for c in cycles),
+            **self.info,
+        }

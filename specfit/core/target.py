@@ -1,0 +1,111 @@
+"""The target model's forward passes: prefill, tree verification, and KV compaction.
+
+The KV cache holds every committed token except the newest (the root of the next draft tree).
+A verification pass appends the root and the chosen nodes with a tree mask (each node attends to
+the prefix, its ancestors and itself) at positions ``prefix + depth``; afterwards only the root and
+the accepted path are kept.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from specfit.core.offload import OffloadRuntime
+from specfit.core.tree import VerifyBlock
+from specfit.errors import ModelError
+
+TREE_ATTENTION = ("sdpa", "eager")
+
+
+@dataclass
+class PassOutput:
+    logits: torch.Tensor  # float32 [tokens, vocab]
+    features: torch.Tensor | None  # [tokens, len(feature_layers) * hidden] for the drafter
+    routing: np.ndarray  # int [tokens, moe_layers, top_k], experts each token was routed to
+
+
+class Target:
+    """Wraps an offloaded HF causal LM for the decode loop."""
+
+    def __init__(self, model: nn.Module, runtime: OffloadRuntime) -> None:
+        self.model = model
+        self.runtime = runtime
+        self.device = runtime.device
+        self.feature_layers: tuple[int, ...] = ()
+        self.cache: DynamicCache | None = None
+        impl = getattr(model.config, "_attn_implementation", "eager")
+        if impl not in TREE_ATTENTION:
+            raise ModelError(f"model.attn_implementation={impl!r}: tree verification needs one of {TREE_ATTENTION}")
+        self.attn_implementation = impl
+        # transformers 5.2x renames `past_key_values` to `cache`; use whichever this model takes.
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    @property
+    def config(self):  # noqa: ANN201 - the HF config
+        return self.model.config
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+
+    @property
+    def kv_len(self) -> int:
+        return 0 if self.cache is None else self.cache.get_seq_length()
+
+    def prefill(self, ids: Sequence[int]) -> PassOutput:
+        self.reset()
+        input_ids = torch.tensor([list(ids)], device=self.device)
+        return self._forward(input_ids, position_ids=None, mask=None)
+
+    def verify(self, block: VerifyBlock) -> PassOutput:
+        prefix = self.kv_len
+        input_ids = torch.tensor([block.tokens], device=self.device)
+        positions = torch.tensor([[prefix + d for d in block.depths]], device=self.device)
+        mask = None if len(block) == 1 else self._tree_mask(prefix, block)
+        return self._forward(input_ids, positions, mask)
+
+    def keep(self, prefix: int, block_positions: Sequence[int]) -> None:
+        """After verifying a block on top of ``prefix`` cached tokens, keep only these block positions.
+
+        Moves the kept entries down in place and crops the rest: O(block), not O(context)."""
+        kept = list(block_positions)
+        if kept != list(range(len(kept))):
+            src = torch.tensor([prefix + p for p in kept], device=self.device)
+            dst = torch.arange(prefix, prefix + len(kept), device=self.device)
+            for layer in self.cache.layers:
+                layer.keys[..., dst, :] = layer.keys[..., src, :]
+                layer.values[..., dst, :] = layer.values[..., src, :]
+        drop = self.kv_len - (prefix + len(kept))
+        if drop > 0:
+            self.cache.crop(-drop)
+
+    def _tree_mask(self, prefix: int, block: VerifyBlock) -> torch.Tensor:
+        t = len(block)
+        allowed = torch.ones(t, prefix + t, dtype=torch.bool)
+        allowed[:, prefix:] = torch.from_numpy(block.ancestor_mask())
+        allowed = allowed[None, None].to(self.device)
+        if self.attn_implementation == "sdpa":
+            return allowed
+        dtype = self.model.dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, mask: torch.Tensor | None) -> PassOutput:
+        want_features = bool(self.feature_layers)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            use_cache=True,
+            output_hidden_states=want_features,
+            **{self._cache_kwarg: self.cache},
+        )
+        features = None
+        if want_features:
+            features = torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1)
+        return PassOutput(logits=out.logits[0].float(), features=features, routing=self.runtime.routing())

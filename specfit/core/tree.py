@@ -1,0 +1,141 @@
+"""The draft tree: candidate tokens after the last committed token, grown one level at a time.
+
+Node indices are assigned in creation order, so a parent always has a smaller index than its
+children (topological order). The root is implicit: it is the last committed token, which the
+target has not processed yet; ``parent == -1`` marks a child of the root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+ROOT = -1
+
+
+@dataclass
+class DraftTree:
+    root_token: int
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)  # log q(token | parent path), draft model
+    path_log_probs: list[float] = field(default_factory=list)  # sum of log_probs from the root
+    level_starts: list[int] = field(default_factory=list)  # first node index of each level
+    # Predicted experts per node, [n, layers, top_k] (-1 = none); filled by the expert predictor.
+    experts: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def depth(self) -> int:
+        return len(self.level_starts)
+
+    def level(self, d: int) -> range:
+        """Node indices of level ``d`` (1-based: level 1 holds the root's children)."""
+        start = self.level_starts[d - 1]
+        stop = self.level_starts[d] if d < len(self.level_starts) else len(self.tokens)
+        return range(start, stop)
+
+    def add_level(self, parents: Sequence[int], tokens: Sequence[int], log_probs: Sequence[float]) -> range:
+        """Append one level of nodes; each parent must be the root or a node of the previous level."""
+        if not (len(parents) == len(tokens) == len(log_probs)):
+            raise ValueError("add_level: parents, tokens and log_probs must have the same length")
+        prev = self.level(self.depth) if self.depth else None
+        start = len(self.tokens)
+        self.level_starts.append(start)
+        for p, t, lp in zip(parents, tokens, log_probs):
+            p = int(p)
+            if prev is None and p != ROOT:
+                raise ValueError("the first level must hang from the root (parent -1)")
+            if prev is not None and p not in prev:
+                raise ValueError(f"parent {p} is not a node of the previous level")
+            self.tokens.append(int(t))
+            self.parents.append(p)
+            self.depths.append(self.depth)
+            self.log_probs.append(float(lp))
+            base = 0.0 if p == ROOT else self.path_log_probs[p]
+            self.path_log_probs.append(base + float(lp))
+        return range(start, len(self.tokens))
+
+    def path_probs(self) -> np.ndarray:
+        return np.exp(np.asarray(self.path_log_probs, dtype=np.float64))
+
+    def parents_array(self) -> np.ndarray:
+        return np.asarray(self.parents, dtype=np.int32)
+
+    def children(self, node: int) -> list[int]:
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+    def path_to(self, node: int) -> list[int]:
+        """Nodes from the root's child down to ``node``."""
+        path = []
+        while node != ROOT:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def is_ancestor_closed(self, nodes: Sequence[int]) -> bool:
+        chosen = set(nodes)
+        return all(self.parents[v] == ROOT or self.parents[v] in chosen for v in chosen)
+
+    def top_by_path_prob(self, k: int) -> list[int]:
+        """The ``k`` nodes with the highest path probability (ties to the earlier node).
+
+        Ancestor-closed whenever path probabilities never rise with depth, which holds for a
+        draft model's log-probabilities (each is <= 0)."""
+        order = sorted(range(len(self)), key=lambda i: (-self.path_log_probs[i], i))
+        return sorted(order[:k])
+
+
+@dataclass(frozen=True)
+class VerifyBlock:
+    """The tokens one verification pass feeds the target: the root, then the chosen nodes.
+
+    ``parents`` index into the block (0 is the root; the root's own parent is -1) and ``nodes``
+    maps block positions 1.. back to tree node indices.
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    nodes: list[int]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def ancestor_mask(self) -> np.ndarray:
+        """bool [T, T]: row i may attend to column j (j is i or an ancestor of i)."""
+        t = len(self.tokens)
+        mask = np.zeros((t, t), dtype=bool)
+        for i in range(t):
+            mask[i, i] = True
+            p = self.parents[i]
+            if p >= 0:
+                mask[i] |= mask[p]
+        return mask
+
+    def children(self) -> list[list[int]]:
+        kids: list[list[int]] = [[] for _ in self.tokens]
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                kids[p].append(i)
+        return kids
+
+
+def verify_block(tree: DraftTree, nodes: Sequence[int]) -> VerifyBlock:
+    """The root plus the chosen ``nodes`` (must be ancestor-closed), in topological order."""
+    chosen = sorted(set(int(v) for v in nodes))
+    if not tree.is_ancestor_closed(chosen):
+        raise ValueError("selected nodes are not ancestor-closed")
+    position = {v: i + 1 for i, v in enumerate(chosen)}
+    parents = [-1] + [0 if tree.parents[v] == ROOT else position[tree.parents[v]] for v in chosen]
+    return VerifyBlock(
+        tokens=[tree.root_token] + [tree.tokens[v] for v in chosen],
+        parents=parents,
+        depths=[0] + [tree.depths[v] for v in chosen],
+        nodes=chosen,
+    )

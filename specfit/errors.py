@@ -1,0 +1,17 @@
+"""Errors that reach users as one clear line (the CLI prints them without a traceback)."""
+
+
+class SpecfitError(Exception):
+    """A problem the user can fix: bad config, bad path, unsupported model, broken plugin."""
+
+
+class ConfigError(SpecfitError):
+    """A config key, value or group option is wrong."""
+
+
+class PluginError(SpecfitError):
+    """A plugin could not be loaded, registered or found."""
+
+
+class ModelError(SpecfitError):
+    """A model or checkpoint cannot be used."""

@@ -1,0 +1,40 @@
+"""Every expert resident: the no-offloading reference (it needs device memory for all experts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from specfit.config import CacheConfig
+from specfit.core.moe import MoESpec
+from specfit.interfaces import Admission
+
+
+@dataclass
+class FullCacheConfig(CacheConfig):
+    name: str = "full"
+
+
+class FullCache:
+    """Loads all experts once before decoding (not counted as misses); every request is a hit."""
+
+    name = "full"
+    Config = FullCacheConfig
+
+    def bind(self, spec: MoESpec) -> int:
+        self.spec = spec
+        return spec.num_experts
+
+    def preload(self) -> list[tuple[int, int, int]]:
+        return [(layer, e, e) for layer in range(self.spec.num_layers) for e in range(self.spec.num_experts)]
+
+    def begin_pass(self) -> None:
+        pass
+
+    def admit(self, layer: int, wanted: Sequence[int]) -> Admission:
+        return Admission({e: e for e in wanted}, [])
+
+    def resident(self) -> np.ndarray:
+        return np.ones((self.spec.num_layers, self.spec.num_experts), dtype=bool)

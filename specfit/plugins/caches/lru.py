@@ -1,0 +1,77 @@
+"""Per-layer least-recently-used expert cache (the mixtral-offloading baseline)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from specfit.config import CacheConfig
+from specfit.core.moe import MoESpec
+from specfit.core.offload import resolve_capacity
+from specfit.interfaces import Admission
+
+
+@dataclass
+class LRUCacheConfig(CacheConfig):
+    name: str = "lru"
+
+
+class LRUCache:
+    """Keeps ``capacity`` experts per layer; a miss evicts the layer's least recently used expert.
+
+    Default capacity (neither capacity nor capacity_bytes set): a quarter of the experts, at least top-k.
+    """
+
+    name = "lru"
+    Config = LRUCacheConfig
+
+    def __init__(self, capacity: int | None = None, capacity_bytes: int | None = None) -> None:
+        self.requested = (capacity, capacity_bytes)
+        self.capacity = 0
+
+    def bind(self, spec: MoESpec) -> int:
+        self.spec = spec
+        default = max(spec.top_k, spec.num_experts // 4)
+        self.capacity = resolve_capacity(spec, *self.requested, default=default)
+        self._lru: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(spec.num_layers)]  # oldest first
+        self._free = [list(range(self.capacity - 1, -1, -1)) for _ in range(spec.num_layers)]
+        return self.capacity
+
+    def preload(self) -> list[tuple[int, int, int]]:
+        return []
+
+    def begin_pass(self) -> None:
+        pass
+
+    def admit(self, layer: int, wanted: Sequence[int]) -> Admission:
+        lru, free = self._lru[layer], self._free[layer]
+        admitted: dict[int, int] = {}
+        for e in wanted:
+            if e in lru:
+                lru.move_to_end(e)
+                admitted[e] = lru[e]
+        room = self.capacity - len(admitted)
+        loads = []
+        for e in [e for e in wanted if e not in lru][:room]:
+            if free:
+                slot = free.pop()
+            else:
+                victim = next(v for v in lru if v not in admitted)
+                slot = lru.pop(victim)
+            lru[e] = slot
+            admitted[e] = slot
+            loads.append((e, slot))
+        return Admission(admitted, loads)
+
+    def resident(self) -> np.ndarray:
+        mask = np.zeros((self.spec.num_layers, self.spec.num_experts), dtype=bool)
+        for layer, lru in enumerate(self._lru):
+            mask[layer, list(lru)] = True
+        return mask
+
+    def lru_order(self, layer: int) -> list[int]:
+        """Resident experts of ``layer``, least recently used first (for tests and inspection)."""
+        return list(self._lru[layer])

@@ -1,0 +1,1 @@
+"""Built-in cycle-time cost models."""

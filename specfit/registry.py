@@ -1,0 +1,255 @@
+"""The plugin registry: pluggy loads plugins, each kind's registry maps names to classes.
+
+Built-in plugins register first under ``specfit.builtin.*`` names, then third-party packages from
+the entry-point group ``specfit``. Environment switches:
+
+- ``SPECFIT_DISABLE_PLUGIN_AUTOLOAD=1``: load no third-party entry points;
+- ``SPECFIT_PLUGINS=a,b``: load only the entry points named ``a`` and ``b``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata as metadata
+import inspect
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from specfit import __version__
+from specfit.config import PLUGIN_BASES, store_schemas
+from specfit.errors import PluginError
+from specfit.interfaces import hookspecs
+from specfit.interfaces.protocols import KINDS
+
+ENTRY_POINT_GROUP = "specfit"
+
+BUILTIN_MODULES = {
+    "specfit.builtin.drafters": "specfit.plugins.drafters",
+    "specfit.builtin.selectors": "specfit.plugins.selectors",
+    "specfit.builtin.cost_models": "specfit.plugins.cost_models",
+    "specfit.builtin.caches": "specfit.plugins.caches",
+    "specfit.builtin.predictors": "specfit.plugins.predictors",
+}
+
+# kind -> name of the hook that registers it
+HOOKS = {
+    "drafter": "register_drafters",
+    "selector": "register_selectors",
+    "cost_model": "register_cost_models",
+    "cache": "register_expert_caches",
+    "predictor": "register_predictors",
+}
+
+
+@dataclass(frozen=True)
+class PluginEntry:
+    kind: str
+    name: str
+    cls: type
+    plugin: str  # the pluggy plugin (module) that registered it
+    distribution: str
+    version: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "class": f"{self.cls.__module__}.{self.cls.__qualname__}",
+            "plugin": self.plugin,
+            "distribution": self.distribution,
+            "version": self.version,
+        }
+
+
+def _protocol_members(protocol: type) -> list[str]:
+    names = set(getattr(protocol, "__annotations__", {}))
+    names |= {n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")}
+    return sorted(n for n in names if not n.startswith("_"))
+
+
+def check_plugin_class(kind: str, cls: Any) -> None:
+    """Reject a class that does not fulfil its kind's contract, naming what is missing."""
+    if not inspect.isclass(cls):
+        raise PluginError(f"{kind} plugin must be registered as a class, got {cls!r}")
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name.isidentifier():
+        raise PluginError(f"{kind} plugin {cls.__qualname__} needs a class attribute `name` (an identifier)")
+    missing = [m for m in _protocol_members(KINDS[kind]) if not hasattr(cls, m)]
+    if missing:
+        raise PluginError(f"{kind} plugin '{name}' ({cls.__qualname__}) lacks {', '.join(missing)}")
+    config = getattr(cls, "Config", None)
+    base = PLUGIN_BASES[kind]
+    if not (inspect.isclass(config) and dataclasses.is_dataclass(config) and issubclass(config, base)):
+        raise PluginError(
+            f"{kind} plugin '{name}' needs `Config`, a dataclass subclassing specfit.config.{base.__name__}"
+        )
+    default = {f.name: f.default for f in dataclasses.fields(config)}.get("name")
+    if default != name:
+        raise PluginError(f"{kind} plugin '{name}': its Config's `name` default is {default!r}, expected {name!r}")
+
+
+class Registry:
+    """Name -> class for one kind of plugin; duplicates are errors naming both sources."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.entries: dict[str, PluginEntry] = {}
+
+    def add(self, entry: PluginEntry) -> None:
+        check_plugin_class(self.kind, entry.cls)
+        old = self.entries.get(entry.name)
+        if old is not None and old.cls is not entry.cls:
+            raise PluginError(
+                f"{self.kind} '{entry.name}' is registered twice: by {old.plugin} ({old.distribution} {old.version}) "
+                f"and by {entry.plugin} ({entry.distribution} {entry.version})"
+            )
+        self.entries[entry.name] = entry
+
+    def get(self, name: str) -> PluginEntry:
+        try:
+            return self.entries[name]
+        except KeyError:
+            known = ", ".join(sorted(self.entries)) or "none"
+            raise PluginError(f"unknown {self.kind} '{name}' (registered: {known})") from None
+
+    def create(self, cfg: Any) -> Any:
+        """Build the plugin named by ``cfg.name`` from its config (a DictConfig or dataclass)."""
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            cfg = OmegaConf.to_object(cfg)
+        entry = self.get(cfg.name)
+        if not isinstance(cfg, entry.cls.Config):
+            raise PluginError(
+                f"{self.kind}.name={cfg.name!r} but the {self.kind} config is {type(cfg).__name__}; "
+                f"select the plugin with {self.kind}={cfg.name}"
+            )
+        from_config = getattr(entry.cls, "from_config", None)
+        if from_config is not None:
+            return from_config(cfg)
+        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+        params = inspect.signature(entry.cls).parameters
+        kwargs = {k: v for k, v in fields.items() if k in params}
+        try:
+            return entry.cls(**kwargs)
+        except (TypeError, ValueError) as exc:
+            raise PluginError(f"{self.kind} '{entry.name}': {exc}") from exc
+
+
+class Plugins:
+    """All registries plus the pluggy manager that filled them."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager("specfit")
+        self.pm.add_hookspecs(hookspecs)
+        self.registries = {kind: Registry(kind) for kind in KINDS}
+        self._sources: dict[str, tuple[str, str]] = {}  # plugin name -> (distribution, version)
+
+    def __getitem__(self, kind: str) -> Registry:
+        return self.registries[kind]
+
+    def entries(self) -> list[PluginEntry]:
+        return [e for kind in KINDS for e in sorted(self.registries[kind].entries.values(), key=lambda e: e.name)]
+
+    def register_module(self, module: object, name: str, distribution: str, version: str) -> None:
+        try:
+            self.pm.register(module, name=name)
+        except ValueError as exc:
+            raise PluginError(f"plugin '{name}' ({distribution}): {exc}") from exc
+        self._sources[name] = (distribution, version)
+
+    def load(self) -> None:
+        for name, module in BUILTIN_MODULES.items():
+            self.register_module(importlib.import_module(module), name, "specfit", __version__)
+        for ep, dist, version in _entry_points():
+            try:
+                module = ep.load()
+            except Exception as exc:  # a broken plugin must not look like a specfit bug
+                raise PluginError(
+                    f"plugin '{ep.name}' ({dist} {version}, entry point {ep.value}) failed to load: "
+                    f"{type(exc).__name__}: {exc}. Uninstall or fix it, or skip it with "
+                    f"SPECFIT_PLUGINS=<allowed names> or SPECFIT_DISABLE_PLUGIN_AUTOLOAD=1"
+                ) from exc
+            self.register_module(module, ep.name, dist, version)
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            name = self.pm.get_name(exc.plugin) or repr(exc.plugin)
+            raise PluginError(f"plugin '{name}' implements an unknown hook: {exc}") from exc
+        self._collect()
+
+    def _collect(self) -> None:
+        """Call every plugin's register hooks, remembering which plugin registered what."""
+        for kind, hook_name in HOOKS.items():
+            for impl in self._impls(hook_name):
+                dist, version = self._sources.get(impl.plugin_name, ("unknown", ""))
+
+                def register(cls: type, _impl=impl, _dist=dist, _version=version, _kind=kind) -> None:
+                    name = getattr(cls, "name", None)
+                    self.registries[_kind].add(PluginEntry(_kind, name, cls, _impl.plugin_name, _dist, _version))
+
+                self._call(impl, register=register)
+
+    def _impls(self, hook_name: str) -> list[Any]:
+        order = list(self._sources)  # registration order: built-ins first
+        impls = getattr(self.pm.hook, hook_name).get_hookimpls()
+        return sorted(impls, key=lambda i: order.index(i.plugin_name) if i.plugin_name in order else len(order))
+
+    def _call(self, impl: Any, **kwargs: Any) -> None:
+        try:
+            impl.function(**{k: v for k, v in kwargs.items() if k in impl.argnames})
+        except PluginError:
+            raise
+        except Exception as exc:
+            raise PluginError(f"plugin '{impl.plugin_name}' failed in {impl.function.__name__}: {type(exc).__name__}: {exc}") from exc
+
+    def store_configs(self) -> None:
+        """Make every registered plugin a Hydra option of its group, plus extra config nodes."""
+        from hydra.core.config_store import ConfigStore
+
+        cs = ConfigStore.instance()
+        store_schemas(cs)
+        for entry in self.entries():
+            cs.store(group=entry.kind, name=entry.name, node=entry.cls.Config)
+        for impl in self._impls("register_configs"):
+            self._call(impl, config_store=cs)
+
+
+def _entry_points() -> list[tuple[metadata.EntryPoint, str, str]]:
+    if os.environ.get("SPECFIT_DISABLE_PLUGIN_AUTOLOAD", "").strip() not in ("", "0", "false"):
+        return []
+    allowed = os.environ.get("SPECFIT_PLUGINS")
+    allow = {n.strip() for n in allowed.split(",") if n.strip()} if allowed is not None else None
+    found = []
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if allow is not None and ep.name not in allow:
+            continue
+        dist = ep.dist.name if ep.dist is not None else "unknown"
+        version = ep.dist.version if ep.dist is not None else ""
+        found.append((ep, dist, version))
+    return found
+
+
+_PLUGINS: Plugins | None = None
+
+
+def get_plugins() -> Plugins:
+    """The process-wide plugin set, loaded on first use (idempotent: multirun jobs share it)."""
+    global _PLUGINS
+    if _PLUGINS is None:
+        plugins = Plugins()
+        plugins.load()
+        plugins.store_configs()
+        _PLUGINS = plugins
+    return _PLUGINS
+
+
+def reset_plugins() -> None:
+    """Forget loaded plugins (tests, or after installing a plugin package in-process)."""
+    global _PLUGINS
+    _PLUGINS = None
+

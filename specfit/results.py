@@ -1,0 +1,93 @@
+"""Results files (one JSON line per run) and the comparison table printed at the end of a job."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+
+def append_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for row in rows:
+            f.write(json.dumps(row, default=_jsonable) + "\n")
+    return path
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
+def stats_line(stats: dict[str, Any]) -> str:
+    """One line a person reads after a generation."""
+    parts = [
+        f"tokens={stats['num_output_tokens']}",
+        f"tok/s={stats['output_throughput']:.2f}",
+        f"acceptance_length={stats['spec_decode_acceptance_length']:.2f}",
+        f"cycles={stats['cycles']}",
+        f"verified/cycle={stats['verified_nodes_per_cycle']:.1f}",
+        f"union/layer={stats['experts_per_layer_union']:.1f}",
+        f"hits={stats['expert_cache_hits']}",
+        f"misses={stats['expert_cache_misses']}",
+        f"h2d={stats['h2d_bytes'] / 1e6:.1f}MB/{stats['h2d_seconds']:.3f}s",
+    ]
+    if stats.get("h2d_emulated"):
+        link = stats.get("copy_engine", {})
+        parts.append(f"[H2D EMULATED: {link.get('bandwidth_gbps', '?')} GB/s, "
+                     f"{link.get('ref_expert_bytes') or 'real'} B/expert]")
+    return " ".join(parts)
+
+
+COLUMNS = [
+    ("method", "method", "{}"),
+    ("tok/s", "output_throughput", "{:.2f}"),
+    ("speedup", "speedup", "{:.2f}x"),
+    ("accept len", "spec_decode_acceptance_length", "{:.2f}"),
+    ("verified/cyc", "verified_nodes_per_cycle", "{:.1f}"),
+    ("union/layer", "experts_per_layer_union", "{:.2f}"),
+    ("hit rate", "expert_cache_hit_rate", "{:.2f}"),
+    ("misses", "expert_cache_misses", "{}"),
+    ("H2D MB", "h2d_mb", "{:.1f}"),
+    ("H2D s", "h2d_seconds", "{:.3f}"),
+]
+
+
+def comparison_table(rows: Sequence[dict[str, Any]], baseline: str | None = None) -> str:
+    """A fixed-width table of per-method means; speedup is relative to ``baseline`` (default: first)."""
+    if not rows:
+        return "(no results)"
+    base = next((r for r in rows if r["method"] == baseline), rows[0])
+    table = []
+    for r in rows:
+        r = dict(r, h2d_mb=r.get("h2d_bytes", 0) / 1e6)
+        r["speedup"] = r["output_throughput"] / base["output_throughput"] if base["output_throughput"] else 0.0
+        table.append([fmt.format(r.get(key, 0)) for _, key, fmt in COLUMNS])
+    header = [name for name, _, _ in COLUMNS]
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
+    return "\n".join(lines)
+
+
+def mean_stats(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Token-weighted throughput and plain means of the other numeric keys over several prompts."""
+    out: dict[str, Any] = {}
+    for key, value in runs[0].items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            out[key] = value
+        else:
+            out[key] = sum(r[key] for r in runs) / len(runs)
+    tokens = sum(r["num_output_tokens"] for r in runs)
+    seconds = sum(r["total_seconds"] for r in runs)
+    out["output_throughput"] = tokens / seconds if seconds else 0.0
+    for key in ("expert_cache_hits", "expert_cache_misses", "h2d_bytes", "h2d_seconds", "num_output_tokens"):
+        if key in out:
+            out[key] = sum(r[key] for r in runs)
+    hits, misses = out.get("expert_cache_hits", 0), out.get("expert_cache_misses", 0)
+    out["expert_cache_hit_rate"] = hits / (hits + misses) if hits + misses else 0.0
+    return out

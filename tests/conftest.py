@@ -1,0 +1,44 @@
+"""Shared fixtures. Triton runs on the CPU only through its interpreter, so CI sets it here."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+os.environ.setdefault("SPECFIT_DISABLE_PLUGIN_AUTOLOAD", "0")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)  # tiny models: threads only add overhead and noise on a shared machine
+
+from specfit.core.builtin_models import build_builtin  # noqa: E402
+
+ARCHITECTURES = ["tiny-qwen3-moe", "tiny-olmoe", "tiny-mixtral"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_hydra():
+    """Each test composes from scratch (Hydra keeps global state)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    yield
+    GlobalHydra.instance().clear()
+
+
+_MODELS: dict[tuple, torch.nn.Module] = {}
+
+
+def tiny_model(name: str = "tiny-qwen3-moe", seed: int = 0, **overrides) -> torch.nn.Module:
+    """A fresh copy of a built-in tiny model (built once per session, then deep-copied)."""
+    key = (name, seed, tuple(sorted(overrides.items())))
+    if key not in _MODELS:
+        _MODELS[key] = build_builtin(name, seed=seed, **overrides)
+    return copy.deepcopy(_MODELS[key])
+
+
+@pytest.fixture
+def make_model():
+    return tiny_model

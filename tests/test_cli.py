@@ -1,0 +1,97 @@
+"""The command line and the programmatic API on a checkpoint saved with save_pretrained."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+
+import specfit
+from specfit.cli import main, plain_overrides
+
+PROMPT = [5, 17, 99, 3, 42, 8, 120, 77]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A Qwen3-MoE checkpoint in the HF layout (safetensors, config.json), no tokenizer."""
+    path = tmp_path_factory.mktemp("ckpt")
+    tiny_model().save_pretrained(path)
+    return path
+
+
+def test_programmatic_example_matches_hf_generate(checkpoint):
+    cfg = specfit.compose([f"model.path={checkpoint}", "drafter=none", "cache=lru", "cache.capacity=3"])
+    engine = specfit.build(cfg)
+    out = engine.generate(PROMPT, max_new_tokens=32)
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint).generate(
+        torch.tensor([PROMPT]), max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, len(PROMPT):].tolist()
+    assert out.token_ids == reference
+    assert out.text is None  # no tokenizer in this checkpoint
+    assert out.stats["expert_cache_misses"] > 0
+    assert engine.runtime.resident().sum(axis=1).max() <= 3
+    with pytest.raises(specfit.errors.ConfigError, match="no tokenizer"):
+        engine.generate("hello")
+
+
+def test_checkpoint_dtype_is_kept_unless_overridden(checkpoint, tmp_path):
+    tiny_model(dtype=torch.bfloat16).save_pretrained(tmp_path)
+    engine = specfit.build(specfit.compose([f"model.path={tmp_path}", "cache=full"]))
+    assert engine.spec.dtype == torch.bfloat16
+    engine = specfit.build(specfit.compose([f"model.path={tmp_path}", "cache=full", "model.dtype=float32"]))
+    assert engine.spec.dtype == torch.float32
+
+
+def test_generate_command_writes_results(checkpoint, tmp_path, capsys):
+    main(["generate", f"model.path={checkpoint}", "prompt_ids=[5,17,99]", "cache=lru", "cache.capacity=4",
+          "max_new_tokens=8", f"hydra.run.dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert "tokens=8" in out and "misses=" in out
+    row = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[0])
+    for key in ("output_throughput", "mean_tpot_ms", "spec_decode_acceptance_length", "num_drafts", "draft_tokens",
+                "accepted_tokens", "expert_cache_hits", "expert_cache_misses", "h2d_bytes", "h2d_seconds",
+                "verified_nodes", "experts_per_layer_union"):
+        assert key in row, key
+    assert row["num_output_tokens"] == 8 and row["config"]["cache"]["capacity"] == 4
+
+
+def test_bad_override_is_one_line_exit_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "model=tiny", "cache.capacit=3"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("specfit: error:") and "capacit" in err and "\n" not in err
+
+
+def test_model_error_is_one_line_exit_2(capsys, tmp_path):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "model.path=/nope/model", "prompt_ids=[1]", f"hydra.run.dir={tmp_path}"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip() == "specfit: error: model.path=/nope/model: no such directory"
+
+
+def test_multirun_sweep_runs_jobs_in_one_process(tmp_path, capsys):
+    main(["generate", "-m", "model=tiny", "prompt_ids=[5,17,99]", "max_new_tokens=4", "cache.capacity=2,4",
+          f"hydra.sweep.dir={tmp_path}"])
+    rows = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*/results.jsonl"))]
+    assert [r["cache_slots_per_layer"] for r in rows] == [2, 4]
+
+
+def test_plain_overrides_skip_flags_and_sweeps():
+    assert plain_overrides(["--cfg", "job", "a=1", "-m", "b=1,2", "hydra.run.dir=x", "+c=3"]) == ["a=1", "+c=3"]
+
+
+def test_console_script_cfg_job_and_plugins():
+    exe = Path(sys.executable).with_name("specfit")
+    cfg = subprocess.run([exe, "generate", "model=tiny", "cache=none", "--cfg", "job"], capture_output=True, text=True)
+    assert cfg.returncode == 0, cfg.stderr
+    assert "name: none" in cfg.stdout and "builtin: tiny-qwen3-moe" in cfg.stdout
+    listed = json.loads(subprocess.run([exe, "plugins", "--json"], capture_output=True, text=True, check=True).stdout)
+    assert {e["name"] for e in listed if e["kind"] == "cache"} >= {"lru", "none", "full"}

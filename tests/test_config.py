@@ -1,0 +1,55 @@
+"""Configuration: composition, and one clear line for every kind of mistake."""
+
+from __future__ import annotations
+
+import pytest
+
+import specfit
+from specfit.errors import ConfigError
+
+
+def test_defaults_compose_and_are_typed():
+    cfg = specfit.compose(["model=tiny"])
+    assert cfg.cache.name == "lru" and cfg.drafter.name == "none" and cfg.selector.name == "eagle3"
+    assert cfg.cache["copy"] == "torch" and cfg.cache.link.profile == "qwen3-30b-a3b-pcie4"
+    assert cfg.cost_model is None and cfg.predictor is None
+
+
+@pytest.mark.parametrize(
+    ("override", "pattern"),
+    [
+        ("cache.capacit=3", r"Key 'capacit' not in 'LRUCacheConfig'"),
+        ("cache.capacity=abc", r"Value 'abc' of type 'str' could not be converted to Integer"),
+        ("cache=bogus", r"Could not find 'cache/bogus'.*Available options.*full.*lru.*none"),
+        ("max_new_tokens=many", r"max_new_tokens"),
+        ("sampling.temprature=1", r"Key 'temprature' not in 'SamplingConfig'"),
+    ],
+)
+def test_mistakes_are_one_line_errors(override, pattern):
+    with pytest.raises(ConfigError, match=pattern) as info:
+        specfit.compose(["model=tiny", override])
+    assert "\n" not in str(info.value)
+
+
+def test_plugin_name_and_config_must_agree():
+    cfg = specfit.compose(["model=tiny", "cache=lru", "cache.name=none"])
+    with pytest.raises(specfit.errors.PluginError, match="cache.name='none' but the cache config is LRUCacheConfig"):
+        specfit.build(cfg)
+
+
+def test_bad_model_paths(tmp_path):
+    from specfit.errors import ModelError
+
+    with pytest.raises(ModelError, match=r"model.path=/does/not/exist: no such directory"):
+        specfit.build(specfit.compose(["model.path=/does/not/exist"]))
+    with pytest.raises(ModelError, match="no config.json there"):
+        specfit.build(specfit.compose([f"model.path={tmp_path}"]))
+    with pytest.raises(ModelError, match="set model.path=DIR"):
+        specfit.build(specfit.compose([]))
+
+
+def test_sampling_values_are_checked():
+    from specfit.core.sampling import SamplingParams
+
+    with pytest.raises(ConfigError, match="sampling.top_p"):
+        SamplingParams(temperature=1.0, top_p=0.0)
