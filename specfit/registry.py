@@ -65,10 +65,20 @@ class PluginEntry:
         }
 
 
-def _protocol_members(protocol: type) -> list[str]:
-    names = set(getattr(protocol, "__annotations__", {}))
-    names |= {n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")}
-    return sorted(n for n in names if not n.startswith("_"))
+def _protocol_methods(protocol: type) -> list[str]:
+    return sorted(n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_"))
+
+
+def _protocol_attributes(protocol: type) -> list[str]:
+    return sorted(n for n in getattr(protocol, "__annotations__", {}) if not n.startswith("_") and n != "name")
+
+
+def check_plugin_instance(kind: str, obj: Any) -> None:
+    """Objects handed to the engine directly get the same check, attributes included."""
+    missing = [m for m in _protocol_methods(KINDS[kind]) + _protocol_attributes(KINDS[kind]) if not hasattr(obj, m)]
+    if missing or not isinstance(getattr(obj, "name", None), str):
+        missing = missing or ["name"]
+        raise PluginError(f"{kind} {type(obj).__qualname__} lacks {', '.join(missing)}")
 
 
 def check_plugin_class(kind: str, cls: Any) -> None:
@@ -78,7 +88,7 @@ def check_plugin_class(kind: str, cls: Any) -> None:
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name.isidentifier():
         raise PluginError(f"{kind} plugin {cls.__qualname__} needs a class attribute `name` (an identifier)")
-    missing = [m for m in _protocol_members(KINDS[kind]) if not hasattr(cls, m)]
+    missing = [m for m in _protocol_methods(KINDS[kind]) if not hasattr(cls, m)]
     if missing:
         raise PluginError(f"{kind} plugin '{name}' ({cls.__qualname__}) lacks {', '.join(missing)}")
     config = getattr(cls, "Config", None)

@@ -21,6 +21,7 @@ from specfit.core.stats import CycleRecord, RunStats
 from specfit.core.target import Target
 from specfit.core.tree import DraftTree, verify_block
 from specfit.errors import ConfigError
+from specfit.registry import check_plugin_instance
 from specfit.interfaces import Selection, SelectionContext
 
 
@@ -79,6 +80,10 @@ class Engine:
         self.selector = selector if selector is not None else VerifyAllSelector()
         self.cost_model = cost_model
         self.predictor = predictor
+        for kind, part in (("drafter", self.drafter), ("selector", self.selector), ("cost_model", cost_model),
+                           ("predictor", predictor), ("cache", self.runtime.policy)):
+            if part is not None:
+                check_plugin_instance(kind, part)
         self.drafter.bind(self.target)
         self.target.feature_layers = tuple(self.drafter.feature_layers())
         self.selector.bind(self.spec)
@@ -147,7 +152,8 @@ class Engine:
             ctx = SelectionContext(
                 resident=self.runtime.resident(),
                 draft_seconds=t_sel - t0 - select_seconds,
-                max_depth=getattr(self.drafter, "depth", tree.depth),
+                max_depth=self.drafter.depth,
+                max_nodes=self.drafter.total_tokens,
                 cost_model=self.cost_model,
             )
             selection = self.selector.select(tree, ctx)

@@ -70,9 +70,15 @@ class ExpertCache(Protocol):
 
 @runtime_checkable
 class Drafter(Protocol):
-    """Proposes a draft tree after the last committed token, one level per step."""
+    """Proposes a draft tree after the last committed token, one level per step.
+
+    ``depth`` bounds the tree's levels; ``total_tokens`` bounds the nodes a cycle may verify (EAGLE's
+    reranking keeps the ``total_tokens`` nodes of highest path probability).
+    """
 
     name: ClassVar[str]
+    depth: int
+    total_tokens: int
 
     def bind(self, target: Any) -> None:
         """Attach to the target (:class:`specfit.core.target.Target`): shapes, embeddings."""
@@ -99,6 +105,7 @@ class SelectionContext:
     resident: np.ndarray  # bool [layers, experts], cache residency when verification starts
     draft_seconds: float  # drafting time already spent in this cycle
     max_depth: int  # the drafter's depth limit
+    max_nodes: int  # the drafter's limit on verified nodes (EAGLE's total_tokens)
     cost_model: CostModel | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -1,10 +1,12 @@
-"""Built-in drafters: none (autoregressive decoding)."""
+"""Built-in drafters: none (autoregressive decoding) and eagle3."""
 
 from specfit.interfaces import hookimpl
 
 
 @hookimpl
 def register_drafters(register):
+    from specfit.plugins.drafters.eagle3.drafter import Eagle3Drafter
     from specfit.plugins.drafters.none import NoDrafter
 
     register(NoDrafter)
+    register(Eagle3Drafter)

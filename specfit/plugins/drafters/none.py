@@ -18,6 +18,7 @@ class NoDrafter:
     name = "none"
     Config = NoDrafterConfig
     depth = 0
+    total_tokens = 0
 
     def bind(self, target: Any) -> None:
         pass

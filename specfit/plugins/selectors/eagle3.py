@@ -16,7 +16,8 @@ class VerifyAllConfig(SelectorConfig):
 
 
 class VerifyAllSelector:
-    """Ignores cost: the drafter's own depth and total-token limits decide the tree."""
+    """Ignores cost: verifies the ``total_tokens`` drafted nodes of highest path probability
+    (EAGLE's reranking) once the drafter has reached its depth."""
 
     name = "eagle3"
     Config = VerifyAllConfig
@@ -25,4 +26,4 @@ class VerifyAllSelector:
         pass
 
     def select(self, tree: DraftTree, ctx: SelectionContext) -> Selection:
-        return Selection(nodes=list(range(len(tree))))
+        return Selection(nodes=tree.top_by_path_prob(ctx.max_nodes))

@@ -1,0 +1,1 @@
+"""EAGLE-3: the head, its checkpoint layout, and the tree drafter."""

@@ -1,0 +1,116 @@
+"""Reading and writing EAGLE-3 heads in the public layout (config.json + safetensors or .bin)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specfit.errors import ModelError
+from specfit.plugins.drafters.eagle3.head import Eagle3Config, Eagle3Head
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def head_config_for(target: nn.Module) -> Eagle3Config:
+    """A head shaped for ``target``: same hidden size, heads and vocabulary (no reduced vocabulary)."""
+    c = target.config
+    hidden = c.hidden_size
+    heads = c.num_attention_heads
+    rope = dict(getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
+    return Eagle3Config(
+        hidden_size=hidden,
+        intermediate_size=getattr(c, "intermediate_size", 4 * hidden) or 4 * hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(c, "num_key_value_heads", heads) or heads,
+        head_dim=getattr(c, "head_dim", None) or hidden // heads,
+        vocab_size=c.vocab_size,
+        draft_vocab_size=c.vocab_size,
+        target_hidden_size=hidden,
+        rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+        max_position_embeddings=getattr(c, "max_position_embeddings", 4096),
+        rope_parameters=rope,
+    )
+
+
+def random_head(cfg: Eagle3Config, seed: int = 0, std: float = 0.02) -> Eagle3Head:
+    """A seeded, randomly initialised head (for tests and as a training start)."""
+    gen = torch.Generator().manual_seed(seed)
+    head = Eagle3Head(cfg)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return head
+
+
+def save_head(head: Eagle3Head, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in head.state_dict().items() if not k.startswith("rotary.")}
+    if dtype is not None:
+        state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+    save_file(state, str(path / "model.safetensors"))
+    config = head.cfg.to_hf()
+    config["torch_dtype"] = str(dtype or next(head.parameters()).dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def load_head(path: str | Path) -> Eagle3Head:
+    """Load a head directory; every problem is reported with the file and tensor it concerns."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise ModelError(f"drafter.path={path}: no such directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelError(f"drafter.path={path}: no config.json")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{config_file}: not valid JSON ({exc.msg}, line {exc.lineno})") from exc
+    cfg = Eagle3Config.from_hf(raw, str(config_file))
+    state = _read_state(path)
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    head = Eagle3Head(cfg)
+    if "embed_tokens.weight" in state:
+        head.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    expected = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary.")}
+    optional = {"d2t", "t2d"}
+    missing = sorted(set(expected) - set(state) - optional)
+    if missing:
+        raise ModelError(f"{path}: missing tensors {', '.join(missing)}")
+    unknown = sorted(set(state) - set(expected))
+    if unknown:
+        raise ModelError(f"{path}: unexpected tensors {', '.join(unknown[:6])} (not an EAGLE-3 head?)")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ModelError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, config.json implies {tuple(expected[name].shape)}")
+    dtype = state["fc.weight"].dtype
+    head.to(dtype)
+    head.load_state_dict(state, strict=False)
+    if "d2t" in state:
+        head.d2t.copy_(state["d2t"].long())
+    return head.eval()
+
+
+def _read_state(path: Path) -> dict[str, torch.Tensor]:
+    for name in WEIGHT_FILES:
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                return load_file(str(file))
+            return torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as exc:  # corrupt or truncated files raise many types
+            raise ModelError(f"{file}: cannot read weights ({type(exc).__name__}: {exc})") from exc
+    raise ModelError(f"drafter.path={path}: no weights ({' or '.join(WEIGHT_FILES)})")

@@ -1,0 +1,161 @@
+"""The EAGLE-3 drafter: grows a draft tree level by level with a beam of ``top_k`` nodes.
+
+Level 1 holds the root's ``top_k`` most likely children. Each further level expands the beam (the
+``top_k`` nodes of the previous level with the highest path log-probability) by ``top_k`` children
+each; every child is a candidate, and the best ``top_k`` form the next beam. Which candidates are
+verified is the selector's decision (EAGLE keeps the ``total_tokens`` with the highest path
+probability). The head's KV cache holds the committed pairs; tree pairs are dropped after drafting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specfit.config import DrafterConfig
+from specfit.core.tree import ROOT, DraftTree
+from specfit.errors import ConfigError, ModelError
+from specfit.plugins.drafters.eagle3.checkpoint import head_config_for, load_head, random_head
+from specfit.plugins.drafters.eagle3.head import Eagle3Head, KVBuffer
+
+
+@dataclass
+class Eagle3DrafterConfig(DrafterConfig):
+    name: str = "eagle3"
+    path: str | None = None  # head directory (public EAGLE-3 layout); null: a random head (seeded)
+    top_k: int = 10
+    depth: int = 7
+    total_tokens: int = 60
+    seed: int = 0
+    # SGLang's names, accepted as aliases: --speculative-eagle-topk / -num-steps / -num-draft-tokens
+    eagle_topk: int | None = None
+    num_steps: int | None = None
+    num_draft_tokens: int | None = None
+
+
+def _alias(cfg: Eagle3DrafterConfig, field: str, alias: str) -> int:
+    value, other = getattr(cfg, field), getattr(cfg, alias)
+    default = getattr(Eagle3DrafterConfig, field)
+    if other is None:
+        return value
+    if value != default and value != other:
+        raise ConfigError(f"drafter.{field}={value} and its alias drafter.{alias}={other} disagree")
+    return other
+
+
+class Eagle3Drafter:
+    name = "eagle3"
+    Config = Eagle3DrafterConfig
+
+    def __init__(self, path: str | None = None, top_k: int = 10, depth: int = 7, total_tokens: int = 60,
+                 seed: int = 0, head: Eagle3Head | None = None) -> None:
+        for key, value in (("top_k", top_k), ("depth", depth), ("total_tokens", total_tokens)):
+            if value < 1:
+                raise ConfigError(f"drafter.{key}={value} must be >= 1")
+        self.path, self.top_k, self.depth, self.total_tokens, self.seed = path, top_k, depth, total_tokens, seed
+        self.head = head if head is not None else (load_head(path) if path else None)
+
+    @classmethod
+    def from_config(cls, cfg: Eagle3DrafterConfig) -> Eagle3Drafter:
+        return cls(path=cfg.path, top_k=_alias(cfg, "top_k", "eagle_topk"), depth=_alias(cfg, "depth", "num_steps"),
+                   total_tokens=_alias(cfg, "total_tokens", "num_draft_tokens"), seed=cfg.seed)
+
+    # ------------------------------------------------------------------ binding
+
+    def bind(self, target: Any) -> None:
+        model = target.model
+        if self.head is None:
+            self.head = random_head(head_config_for(model), seed=self.seed)
+        cfg, tc = self.head.cfg, model.config
+        if cfg.vocab_size != tc.vocab_size:
+            raise ModelError(f"EAGLE-3 head vocab_size {cfg.vocab_size} differs from the target's {tc.vocab_size}")
+        if cfg.target_hidden_size != tc.hidden_size:
+            raise ModelError(f"EAGLE-3 head expects target hidden size {cfg.target_hidden_size}, the target has {tc.hidden_size}")
+        self.device, self.dtype = target.device, model.dtype
+        self.head.to(device=self.device, dtype=self.dtype)
+        if self.head.embed_tokens is None:
+            self.head.set_target_embedding(model.get_input_embeddings())
+        n = tc.num_hidden_layers
+        if cfg.aux_layer_ids:
+            layers = [i + 1 for i in cfg.aux_layer_ids]  # output of layer i is HF hidden_states[i + 1]
+            if max(layers) > n or min(layers) < 1:
+                raise ModelError(f"EAGLE-3 head eagle_aux_hidden_state_layer_ids {cfg.aux_layer_ids} do not fit a {n}-layer target")
+        else:
+            layers = [2, n // 2, n - 3] if n >= 4 else [min(2, n), n // 2 or 1, max(n - 3, 1)]
+        self._layers = tuple(layers)
+
+    def feature_layers(self) -> Sequence[int]:
+        return self._layers
+
+    # ------------------------------------------------------------------ sequence state
+
+    def start(self, prompt_ids: Sequence[int], features: torch.Tensor | None, next_token: int) -> None:
+        self.kv = KVBuffer(self.head.cfg.num_key_value_heads, self.head.cfg.head_dim, self.dtype, self.device)
+        self._pending(prompt_ids, features, next_token)
+
+    def commit(self, tokens: Sequence[int], features: torch.Tensor | None, next_token: int) -> None:
+        self._pending(tokens, features, next_token)
+
+    def _pending(self, tokens: Sequence[int], features: torch.Tensor | None, next_token: int) -> None:
+        """Pairs (features at t, token t+1) the head has not seen yet; processed when drafting starts."""
+        if features is None or features.shape[0] != len(tokens):
+            raise RuntimeError("EAGLE-3 needs the target's features for every kept position")
+        self.pending_features = features
+        self.pending_tokens = list(tokens[1:]) + [next_token]
+
+    # ------------------------------------------------------------------ drafting
+
+    @torch.inference_mode()
+    def draft(self, tree: DraftTree) -> Iterator[range]:
+        head, kv, k = self.head, self.kv, self.top_k
+        committed = kv.length
+        try:
+            tokens = torch.tensor(self.pending_tokens, device=self.device)
+            positions = torch.arange(committed, committed + len(tokens), device=self.device)
+            hidden = head(head.project(self.pending_features.to(self.dtype)), tokens, positions, kv)
+            committed = kv.length
+            self.pending_tokens, self.pending_features = [], self.pending_features[:0]
+            root_hidden = hidden[-1]
+
+            logp = F.log_softmax(head.logits(root_hidden[None]).float(), dim=-1)[0]
+            top = torch.topk(logp, min(k, logp.numel()))
+            level = tree.add_level([ROOT] * len(top.indices), head.to_target_ids(top.indices).tolist(), top.values.tolist())
+            beam = list(level)
+            parent_hidden = {v: root_hidden for v in beam}
+            slot: dict[int, int] = {}
+            yield level
+
+            for d in range(2, self.depth + 1):
+                base = kv.length
+                mask = torch.zeros(len(beam), base + len(beam), dtype=torch.bool)
+                mask[:, :committed] = True
+                for i, v in enumerate(beam):
+                    for a in tree.path_to(v)[:-1]:
+                        mask[i, slot[a]] = True
+                    mask[i, base + i] = True
+                    slot[v] = base + i
+                out = head(
+                    torch.stack([parent_hidden[v] for v in beam]),
+                    torch.tensor([tree.tokens[v] for v in beam], device=self.device),
+                    torch.full((len(beam),), committed - 1 + (d - 1), device=self.device),
+                    kv,
+                    mask.to(self.device),
+                )
+                logp = F.log_softmax(head.logits(out).float(), dim=-1)
+                top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)  # [beam, k]
+                kids = top.indices.shape[1]
+                level = tree.add_level(
+                    [v for v in beam for _ in range(kids)],
+                    head.to_target_ids(top.indices).flatten().tolist(),
+                    top.values.flatten().tolist(),
+                )
+                scores = torch.tensor([tree.path_log_probs[v] for v in level])
+                best = torch.topk(scores, min(k, len(level))).indices.tolist()
+                beam = [level[i] for i in best]
+                parent_hidden = {level[i]: out[i // kids] for i in best}
+                yield level
+        finally:
+            kv.crop(committed)
