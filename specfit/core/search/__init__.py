@@ -1,0 +1,13 @@
+"""Exact search for the draft subtree that maximises predicted throughput (method.md section 3).
+
+    problem = SearchProblem(parents, accept, node_experts, root_experts, resident,
+                            c0=..., c_tok=..., c_miss=..., c_hit=..., draft_time=...)
+    result = solve(problem)                 # result.mask, result.rho, result.max_depth, ...
+    result = solve(problem, allowed=depth <= d, initial=previous.mask)
+"""
+
+from specfit.core.search.exact import TIE_RTOL, SearchResult, greedy, solve
+from specfit.core.search.problem import SearchProblem, evaluate, is_ancestor_closed, node_depths
+
+__all__ = ["SearchProblem", "SearchResult", "TIE_RTOL", "evaluate", "is_ancestor_closed",
+           "greedy", "node_depths", "solve"]
