@@ -56,6 +56,7 @@ class RunStats:
             "spec_decode_acceptance_length": sum(c.accepted + 1 for c in cycles) / n,
             "num_drafts": sum(1 for c in cycles if c.drafted),
             "draft_tokens": sum(c.drafted for c in cycles),
+            "draft_tokens_per_cycle": sum(c.drafted for c in cycles) / n,
             "verified_nodes": sum(c.verified for c in cycles),
             "verified_nodes_per_cycle": sum(c.verified for c in cycles) / n,
             "accepted_tokens": sum(c.accepted for c in cycles),

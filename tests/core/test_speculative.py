@@ -205,3 +205,27 @@ def test_malformed_head_directories_give_clear_errors(tmp_path, breakage, patter
         (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelError, match=pattern):
         Engine(tiny_model(), drafter=Eagle3Drafter(path=str(tmp_path)), device="cpu")
+
+
+@pytest.mark.slow
+def test_speculative_sampling_matches_autoregressive_sampling_end_to_end():
+    """The second generated token (the first cycle's output) has the same law with and without a tree."""
+    from scipy.stats import chi2_contingency
+
+    from specfit.core.sampling import SamplingParams
+
+    ref = reference("tiny-qwen3-moe")
+    prompt = PROMPT[:3]
+    engines = {
+        "ar": Engine(tiny_model(), device="cpu"),
+        "tree": Engine(tiny_model(), drafter=ScriptedDrafter(ref, vocab=256, branching=4, depth=2, miss=0.0), device="cpu"),
+    }
+    counts = {name: {} for name in engines}
+    for seed in range(1500):
+        for name, engine in engines.items():
+            params = SamplingParams(temperature=1.5, top_k=6, seed=seed)
+            first, second = engine.generate(prompt, 2, params).token_ids
+            counts[name][second] = counts[name].get(second, 0) + 1
+    tokens = sorted(set(counts["ar"]) | set(counts["tree"]))
+    table = [[counts[n].get(t, 0) + 1 for t in tokens] for n in engines]
+    assert chi2_contingency(table).pvalue > 1e-3
