@@ -17,7 +17,7 @@ from specfit.core.acceptance import accept
 from specfit.core.copy_engines import CopyEngine, LinkSettings, make_copy_engine
 from specfit.core.offload import OffloadRuntime
 from specfit.core.sampling import Sampler, SamplingParams
-from specfit.core.stats import CycleRecord, RunStats
+from specfit.core.stats import CycleRecord, RunStats, prediction_overlap
 from specfit.core.target import Target
 from specfit.core.tree import DraftTree, verify_block
 from specfit.errors import ConfigError
@@ -151,7 +151,7 @@ class Engine:
             t_sel = _now(self.device)
             ctx = SelectionContext(
                 resident=self.runtime.resident(),
-                draft_seconds=t_sel - t0 - select_seconds,
+                draft_seconds=t_sel - t0,  # everything this cycle has spent so far
                 max_depth=self.drafter.depth,
                 max_nodes=self.drafter.total_tokens,
                 cost_model=self.cost_model,
@@ -176,10 +176,13 @@ class Engine:
         kept_tokens = [block.tokens[p] for p in kept]
         features = result.features[kept] if result.features is not None else None
         self.drafter.commit(kept_tokens, features, acc.bonus)
+        self.selector.observe(tree, selection.nodes, [block.nodes[p - 1] for p in acc.path])
         if self.predictor is not None:
             self.predictor.observe(kept_tokens, result.routing[kept])
+        quality = prediction_overlap(tree, block, result.routing)
         record = CycleRecord(
             drafted=len(tree),
+            levels=tree.depth,
             verified=len(block) - 1,
             accepted=len(acc.path),
             committed=len(acc.path) + 1,
@@ -189,9 +192,13 @@ class Engine:
             h2d_seconds=during.h2d_seconds,
             total_seconds=_now(self.device) - t0,
             misses=during.misses,
+            hits=during.hits,
             union=[int(u) for u in during.union_sum],
             predicted=dict(selection.predicted),
+            prediction=quality,
         )
+        if self.cost_model is not None:
+            self.cost_model.observe(record)
         return record, kept_tokens[1:] + [acc.bonus]
 
     def _truncate(self, tokens: list[int], room: int) -> list[int]:

@@ -8,6 +8,24 @@ from typing import Any
 import numpy as np
 
 from specfit.core.offload import CacheStats
+from specfit.core.tree import DraftTree, VerifyBlock
+
+
+def prediction_overlap(tree: DraftTree, block: VerifyBlock, routing: np.ndarray) -> tuple[int, int, int] | None:
+    """(correct, predicted, routed) expert counts over the verified tokens and all layers."""
+    if tree.root_experts is None and tree.experts is None:
+        return None
+    layers, k = routing.shape[1:]
+    predicted = np.full((len(block), layers, k), -1, dtype=np.int64)
+    if tree.root_experts is not None:
+        predicted[0] = tree.root_experts[:, :k]
+    if tree.experts is not None and block.nodes:
+        rows = np.asarray(block.nodes)
+        rows = rows[rows < tree.experts.shape[0]]
+        predicted[1 : 1 + len(rows)] = tree.experts[rows][:, :, :k]
+    known = (predicted >= 0).any(axis=(1, 2))  # tokens the predictor said something about
+    hit = (predicted[..., :, None] == routing[..., None, :]).any(-1) & (predicted >= 0)
+    return int(hit[known].sum()), int((predicted[known] >= 0).sum()), int(known.sum() * layers * k)
 
 
 @dataclass
@@ -15,6 +33,7 @@ class CycleRecord:
     """One draft-select-verify cycle (an autoregressive step is a cycle with an empty tree)."""
 
     drafted: int  # nodes in the draft tree
+    levels: int  # draft levels grown
     verified: int  # draft nodes verified (root excluded)
     accepted: int  # draft nodes accepted
     committed: int  # tokens committed (accepted + bonus), after truncation at stop / max tokens
@@ -24,8 +43,11 @@ class CycleRecord:
     h2d_seconds: float
     total_seconds: float
     misses: int
+    hits: int
     union: list[int]  # experts per MoE layer in the verification pass
     predicted: dict[str, float] = field(default_factory=dict)  # the selector's predictions, if any
+    # predicted vs routed experts of the verified tokens: (correct, predicted, routed), if predicted
+    prediction: tuple[int, int, int] | None = None
 
 
 @dataclass
@@ -70,5 +92,17 @@ class RunStats:
             "draft_seconds": sum(c.draft_seconds for c in cycles),
             "select_seconds": sum(c.select_seconds for c in cycles),
             "verify_compute_seconds": sum(c.verify_seconds - c.h2d_seconds for c in cycles),
+            **_prediction_summary(cycles),
             **self.info,
         }
+
+
+def _prediction_summary(cycles: list[CycleRecord]) -> dict[str, Any]:
+    scored = [c.prediction for c in cycles if c.prediction is not None]
+    if not scored:
+        return {}
+    correct, predicted, routed = (sum(x[i] for x in scored) for i in range(3))
+    return {
+        "predictor_precision": correct / predicted if predicted else 0.0,
+        "predictor_recall": correct / routed if routed else 0.0,
+    }

@@ -24,8 +24,10 @@ class DraftTree:
     log_probs: list[float] = field(default_factory=list)  # log q(token | parent path), draft model
     path_log_probs: list[float] = field(default_factory=list)  # sum of log_probs from the root
     level_starts: list[int] = field(default_factory=list)  # first node index of each level
-    # Predicted experts per node, [n, layers, top_k] (-1 = none); filled by the expert predictor.
+    # Predicted experts, filled by the expert predictor (-1 = none): per node [n, layers, top_k],
+    # and for the root, which every pass verifies [layers, top_k].
     experts: np.ndarray | None = None
+    root_experts: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -60,6 +62,16 @@ class DraftTree:
             base = 0.0 if p == ROOT else self.path_log_probs[p]
             self.path_log_probs.append(base + float(lp))
         return range(start, len(self.tokens))
+
+    def expert_rows(self, layers: int, top_k: int) -> np.ndarray:
+        """``experts`` grown to one row per node (new rows -1), for a predictor to fill in place."""
+        n = len(self.tokens)
+        if self.experts is None or self.experts.shape[1:] != (layers, top_k):
+            self.experts = np.full((n, layers, top_k), -1, dtype=np.int32)
+        elif self.experts.shape[0] < n:
+            pad = np.full((n - self.experts.shape[0], layers, top_k), -1, dtype=np.int32)
+            self.experts = np.concatenate([self.experts, pad])
+        return self.experts
 
     def path_probs(self) -> np.ndarray:
         return np.exp(np.asarray(self.path_log_probs, dtype=np.float64))

@@ -103,7 +103,7 @@ class SelectionContext:
     """What a selector may look at besides the tree."""
 
     resident: np.ndarray  # bool [layers, experts], cache residency when verification starts
-    draft_seconds: float  # drafting time already spent in this cycle
+    draft_seconds: float  # time this cycle has already spent (drafting and selecting)
     max_depth: int  # the drafter's depth limit
     max_nodes: int  # the drafter's limit on verified nodes (EAGLE's total_tokens)
     cost_model: CostModel | None = None
@@ -129,6 +129,9 @@ class Selector(Protocol):
 
     def select(self, tree: DraftTree, ctx: SelectionContext) -> Selection: ...
 
+    def observe(self, tree: DraftTree, verified: Sequence[int], accepted: Sequence[int]) -> None:
+        """After verification: the nodes verified and those accepted (for learned acceptance)."""
+
 
 @runtime_checkable
 class CostModel(Protocol):
@@ -140,8 +143,8 @@ class CostModel(Protocol):
 
     def predict(self, tree: DraftTree, nodes: Sequence[int], resident: np.ndarray, draft_seconds: float) -> float: ...
 
-    def observe(self, sample: dict[str, Any]) -> None:
-        """A measured cycle (for online calibration)."""
+    def observe(self, record: Any) -> None:
+        """A measured cycle (:class:`specfit.core.stats.CycleRecord`), for online calibration."""
 
 
 @runtime_checkable

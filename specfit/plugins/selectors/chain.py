@@ -33,3 +33,6 @@ class ChainSelector:
                 return Selection(nodes=path)
             parent = max(kids, key=lambda v: (tree.log_probs[v], -v))
             path.append(parent)
+
+    def observe(self, tree: DraftTree, verified: Any, accepted: Any) -> None:
+        pass

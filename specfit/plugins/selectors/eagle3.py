@@ -27,3 +27,6 @@ class VerifyAllSelector:
 
     def select(self, tree: DraftTree, ctx: SelectionContext) -> Selection:
         return Selection(nodes=tree.top_by_path_prob(ctx.max_nodes))
+
+    def observe(self, tree: DraftTree, verified: Any, accepted: Any) -> None:
+        pass
