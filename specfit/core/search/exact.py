@@ -11,7 +11,8 @@ Method (method.md section 3):
   requires its parent; it requires each expert item (l, e) it activates; an item costs
   lambda*c_miss (lambda*c_hit if resident). One minimum s-t cut solves it (Picard 1976).
 * Reductions, all exact (expert sets are bitsets, one uint64 per 64 experts of a layer):
-  - items the root activates are always paid: they go into T(empty) and leave the graph;
+  - items the root activates are always paid: they go into T(empty) and leave the graph; so do
+    items that cost nothing (c_hit = 0 and resident, or c_miss = 0 and not);
   - an item need only be required by its topmost users (a node whose ancestor activates the same
     item gets it through the parent arcs): new[v] = own[v] minus the root's and ancestors' items;
   - an item with a single (surviving) topmost user is folded into that node's profit;
@@ -164,11 +165,13 @@ def _evaluate(mask, accept, own, root, res, c0, c_tok, c_miss, c_hit, draft):
 
 
 @njit(cache=True)
-def _topmost(own, root, parents, alive):
+def _topmost(own, root, res, parents, alive, c_miss, c_hit):
     """new[v] = the items v activates that neither the root nor any ancestor activates: v is a
-    topmost user of exactly these, and only topmost users need an arc to an item."""
+    topmost user of exactly these, and only topmost users need an arc to an item. Items that
+    cost nothing (c_miss or c_hit is 0) constrain nothing and are left out."""
     n, n_layers, n_words = own.shape
     cover = np.empty_like(own)  # root's and v's ancestors' and v's own items
+    zero = np.uint64(0)
     new = np.zeros_like(own)
     for v in range(n):
         if not alive[v]:
@@ -177,7 +180,9 @@ def _topmost(own, root, parents, alive):
         for ly in range(n_layers):
             for w in range(n_words):
                 above = root[ly, w] if p < 0 else cover[p, ly, w]
-                new[v, ly, w] = own[v, ly, w] & ~above
+                costly = (~res[ly, w] if c_miss > 0.0 else zero) | (res[ly, w] if c_hit > 0.0
+                                                                     else zero)
+                new[v, ly, w] = own[v, ly, w] & ~above & costly
                 cover[v, ly, w] = above | own[v, ly, w]
     return new
 
@@ -446,8 +451,8 @@ def _greedy(alive, parents, accept, own, root, res, c_tok, c_miss, c_hit, n0, t0
                 best_ratio = accept[v] / dt if dt > 0.0 else np.inf
                 best_v = v
                 best_dt = dt
-        if best_v < 0:
-            return mask, n_cur, t_cur
+        if best_v < 0 or (n_cur + accept[best_v]) / (t_cur + best_dt) <= n_cur / t_cur:
+            return mask, n_cur, t_cur  # nothing raises rho (in floats, too)
         mask[best_v] = True
         n_cur += accept[best_v]
         t_cur += best_dt
@@ -474,7 +479,7 @@ def _solve_kernel(parents, accept, node_experts, root_experts, resident, c0, c_t
     depth = np.zeros(n, dtype=np.int64)
     for v in range(n):
         depth[v] = 1 if parents[v] < 0 else depth[parents[v]] + 1
-    new = _topmost(own, root, parents, alive)
+    new = _topmost(own, root, res, parents, alive, c_miss, c_hit)
 
     best = np.zeros(n, dtype=np.bool_)
     best_n, best_t, best_size = _evaluate(best, accept, own, root, res, c0, c_tok, c_miss, c_hit,

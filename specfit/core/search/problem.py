@@ -128,13 +128,14 @@ def _expected_and_time(problem: SearchProblem, mask: np.ndarray) -> tuple[float,
     mask = np.asarray(mask, dtype=bool)
     if mask.shape != (problem.n_nodes,):
         raise ValueError(f"mask has shape {mask.shape}, expected ({problem.n_nodes},)")
-    n_layers = problem.n_layers
-    covered = np.zeros((n_layers, problem.n_experts), dtype=bool)
+    n_layers, n_experts = problem.n_layers, problem.n_experts
+    # U_l(S): root's and chosen nodes' experts per layer; the -1 padding lands in an extra
+    # last column that is cut off
     chosen = problem.node_experts[mask].transpose(1, 0, 2).reshape(n_layers, -1)
     ids = np.concatenate([problem.root_experts, chosen], axis=1)
-    layer = np.broadcast_to(np.arange(n_layers)[:, None], ids.shape)
-    valid = ids >= 0
-    covered[layer[valid], ids[valid]] = True
+    covered = np.zeros((n_layers, n_experts + 1), dtype=bool)
+    covered[np.arange(n_layers)[:, None], ids] = True
+    covered = covered[:, :n_experts]
     n_hit = int(np.count_nonzero(covered & problem.resident))
     n_miss = int(np.count_nonzero(covered)) - n_hit
     size = int(np.count_nonzero(mask))
