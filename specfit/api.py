@@ -1,11 +1,15 @@
-"""Programmatic entry points: compose a config, build an engine from it."""
+"""Programmatic entry points: compose a config, build an engine from it, calibrate its cost model."""
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from pathlib import Path
+from typing import Any, Sequence
 
+import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from specfit.core.calibration import calibration_path, load_constants, run_calibration, save_constants
 from specfit.core.copy_engines import LinkSettings
 from specfit.core.engine import Engine
 from specfit.core.loading import load_target
@@ -13,8 +17,12 @@ from specfit.core.sampling import SamplingParams
 from specfit.registry import get_plugins
 
 
-def build(cfg: DictConfig) -> Engine:
-    """An :class:`Engine` for a composed config: loads the model, builds every plugin by name."""
+def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None) -> Engine:
+    """An :class:`Engine` for a composed config: loads the model, builds every plugin by name.
+
+    A cost model with ``calibration=auto`` gets this setup's stored constants, measured now (and
+    stored) the first time.
+    """
     plugins = get_plugins()
     loaded = load_target(OmegaConf.to_object(cfg.model))
     parts: dict[str, Any] = {}
@@ -22,17 +30,52 @@ def build(cfg: DictConfig) -> Engine:
         node = cfg.get(kind)
         parts[kind] = plugins[kind].create(node) if node is not None else None
     cache_cfg = cfg.cache
-    sampling = SamplingParams(**OmegaConf.to_container(cfg.sampling))
-    return Engine(
+    engine = Engine(
         loaded.model,
         tokenizer=loaded.tokenizer,
         copy=cache_cfg["copy"],
         link=LinkSettings(**OmegaConf.to_container(cache_cfg.link)),
         device=None if cfg.model.device == "auto" else cfg.model.device,
-        sampling=sampling,
+        sampling=SamplingParams(**OmegaConf.to_container(cfg.sampling)),
         max_new_tokens=cfg.max_new_tokens,
         stop_token_ids=list(cfg.stop_token_ids),
         ignore_eos=cfg.ignore_eos,
         info={"model": loaded.source},
         **parts,
     )
+    _attach_calibration(engine, calibration_prompts)
+    return engine
+
+
+def _attach_calibration(engine: Engine, prompts: Sequence[Any] | None) -> None:
+    model = engine.cost_model
+    if model is None or getattr(model, "calibrated", True):
+        return
+    source = getattr(model, "calibration", "auto")
+    if source not in ("auto", None):
+        model.set_constants(load_constants(source))
+        return
+    path = calibration_path(engine)
+    if path.is_file():
+        model.set_constants(load_constants(path))
+        return
+    print(f"specfit: calibrating the cost model for this setup (stored in {path})", file=sys.stderr)
+    constants, _ = calibrate(engine, prompts, path=path)
+    model.set_constants(constants)
+
+
+def calibrate(engine: Engine, prompts: Sequence[Any] | None = None, max_new_tokens: int = 48,
+              path: Path | None = None, seed: int = 0) -> tuple[Any, dict[str, Any]]:
+    """Measure the cost constants of ``engine``'s setup on ``prompts`` and store them.
+
+    Without prompts, a few seeded random token sequences are used: the constants are about time
+    per token, per expert hit and per miss, not about the text."""
+    if not prompts:
+        rng = np.random.default_rng(seed)
+        vocab = engine.model.config.vocab_size
+        prompts = [rng.integers(0, vocab, size=24).tolist() for _ in range(4)]
+    constants, report = run_calibration(engine, prompts, max_new_tokens, seed)
+    path = path or calibration_path(engine)
+    constants.source = str(path)
+    report["path"] = str(save_constants(path, constants, engine, report))
+    return constants, report

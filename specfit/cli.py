@@ -18,13 +18,14 @@ USAGE = """usage: specfit <command> [key=value ...] [hydra flags]
 commands:
   demo       decode built-in prompts with several methods and print the comparison (the main job)
   generate   decode a prompt:  specfit generate model.path=DIR prompt="..." cache=lru cache.capacity=16
+  calibrate  measure the cost model's constants for this model, cache, copy engine and machine
   plugins    list registered plugins (--json for machine-readable output)
 
 Overrides use Hydra syntax; `specfit <command> --cfg job` shows every key. Docs: docs/user-guide.md
 """
 
 # command -> (primary config, job)
-HYDRA_COMMANDS: dict[str, str] = {"generate": "config", "demo": "demo"}
+HYDRA_COMMANDS: dict[str, str] = {"generate": "config", "demo": "demo", "calibrate": "calibrate"}
 
 # Hydra flags that take a value: skipped when pre-validating overrides.
 _FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
@@ -63,6 +64,10 @@ def _job(command: str) -> Callable:
             from specfit.commands.compare import run
 
             run(cfg, output_dir, overrides)
+        elif command == "calibrate":
+            from specfit.commands.calibrate import run
+
+            run(cfg, output_dir)
 
     return job
 

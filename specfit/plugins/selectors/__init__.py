@@ -1,4 +1,5 @@
-"""Built-in selectors: eagle3 (verify the whole drafted tree), chain (its most likely path)."""
+"""Built-in selectors: eagle3 (EAGLE's reranked tree), chain (its most likely path), specfit (exact
+throughput-maximising subtree)."""
 
 from specfit.interfaces import hookimpl
 
@@ -7,6 +8,8 @@ from specfit.interfaces import hookimpl
 def register_selectors(register):
     from specfit.plugins.selectors.chain import ChainSelector
     from specfit.plugins.selectors.eagle3 import VerifyAllSelector
+    from specfit.plugins.selectors.specfit import SpecFitSelector
 
     register(VerifyAllSelector)
     register(ChainSelector)
+    register(SpecFitSelector)

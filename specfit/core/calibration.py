@@ -1,0 +1,200 @@
+"""Calibrating the cycle-time cost model from measured cycles, and storing the constants.
+
+Measured per cycle (``CycleRecord``): verified nodes n, expert hits and misses of the pass, H2D
+seconds, drafting and selection seconds, total seconds. The model (method.md section 2):
+
+    cycle = c0 + c_tok * (n + 1) + c_miss * misses + c_hit * hits + D,   D = drafting + selection
+
+Fitted in parts so each constant is identified: H2D seconds per missed expert (c_copy) from the
+copies, compute ``total - D - h2d = c0 + c_tok (n + 1) + c_hit (hits + misses)`` by non-negative
+least squares, then ``c_miss = c_hit + c_copy``; ``D = c_draft0 + c_level * levels``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import platform
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from specfit.core.stats import CycleRecord
+from specfit.errors import ConfigError
+
+
+@dataclass
+class CostConstants:
+    c0: float  # seconds per cycle, fixed
+    c_tok: float  # seconds per verified token (root included)
+    c_miss: float  # seconds per expert used that was not resident (copy + compute)
+    c_hit: float  # seconds per expert used that was resident (compute)
+    c_level: float = 0.0  # seconds per draft level (drafting + selection)
+    c_draft0: float = 0.0  # seconds of drafting before the first level (catching up on committed tokens)
+    samples: int = 0
+    source: str = ""
+
+    def cycle_seconds(self, verified: int, misses: int, hits: int, draft_seconds: float) -> float:
+        return self.c0 + self.c_tok * (verified + 1) + self.c_miss * misses + self.c_hit * hits + draft_seconds
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CostConstants:
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**known)
+
+
+def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with non-negative coefficients, exactly, by trying every support (few columns)."""
+    best, best_err = np.zeros(x.shape[1]), float(np.sum(y**2))
+    for size in range(1, x.shape[1] + 1):
+        for support in itertools.combinations(range(x.shape[1]), size):
+            coef, *_ = np.linalg.lstsq(x[:, support], y, rcond=None)
+            if np.any(coef < 0):
+                continue
+            err = float(np.sum((x[:, support] @ coef - y) ** 2))
+            if err < best_err:
+                best_err = err
+                best = np.zeros(x.shape[1])
+                best[list(support)] = coef
+    return best
+
+
+def fit_constants(records: Sequence[CycleRecord], fallback_copy_seconds: float | None = None) -> CostConstants:
+    if len(records) < 4:
+        raise ConfigError(f"calibration needs at least 4 measured cycles, got {len(records)}")
+    n = np.array([r.verified for r in records], dtype=float)
+    used = np.array([r.hits + r.misses for r in records], dtype=float)
+    misses = np.array([r.misses for r in records], dtype=float)
+    h2d = np.array([r.h2d_seconds for r in records])
+    draft = np.array([r.draft_seconds + r.select_seconds for r in records])
+    total = np.array([r.total_seconds for r in records])
+    compute = total - draft - h2d
+    c0, c_tok, c_hit = nnls(np.stack([np.ones_like(n), n + 1, used], axis=1), compute)
+    if misses.sum() > 0:
+        c_copy = float(h2d.sum() / misses.sum())
+    elif fallback_copy_seconds is not None:
+        c_copy = fallback_copy_seconds
+    else:
+        c_copy = 0.0
+    levels = np.array([r.levels for r in records], dtype=float)
+    c_draft0, c_level = nnls(np.stack([np.ones_like(levels), levels], axis=1), draft)
+    return CostConstants(c0=float(c0), c_tok=float(c_tok), c_miss=float(c_hit + c_copy), c_hit=float(c_hit),
+                         c_level=float(c_level), c_draft0=float(c_draft0), samples=len(records))
+
+
+def percentage_errors(constants: CostConstants, records: Sequence[CycleRecord]) -> np.ndarray:
+    """|predicted - measured| / measured cycle time, with the cycles' actual expert counts."""
+    pred = np.array([constants.cycle_seconds(r.verified, r.misses, r.hits, r.draft_seconds + r.select_seconds)
+                     for r in records])
+    measured = np.array([r.total_seconds for r in records])
+    return np.abs(pred - measured) / measured
+
+
+# --------------------------------------------------------------------------- storage
+
+
+def calibration_dir() -> Path:
+    return Path(os.environ.get("SPECFIT_HOME", Path.home() / ".cache" / "specfit")) / "calibration"
+
+
+def setup_fingerprint(engine: Any) -> dict[str, Any]:
+    """What the constants depend on: model, dtype, device, cache, copy engine, drafter, machine."""
+    return {
+        "model": str(engine.info.get("model", type(engine.model).__name__)),
+        "dtype": str(engine.spec.dtype),
+        "device": str(engine.device),
+        "cache": engine.runtime.policy.name,
+        "slots_per_layer": engine.runtime.slots_per_layer,
+        "copy_engine": engine.copy_engine.describe(),
+        "drafter": engine.drafter.name,
+        "machine": {"node": platform.node(), "processor": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count()},
+    }
+
+
+def calibration_path(engine: Any) -> Path:
+    fingerprint = json.dumps(setup_fingerprint(engine), sort_keys=True, default=str)
+    return calibration_dir() / f"{hashlib.sha1(fingerprint.encode()).hexdigest()[:16]}.json"
+
+
+def save_constants(path: Path, constants: CostConstants, engine: Any, report: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"constants": constants.to_json(), "setup": setup_fingerprint(engine), "report": report}
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    return path
+
+
+def load_constants(path: str | Path) -> CostConstants:
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"cost_model.calibration={path}: no such file (run `specfit calibrate` to make one)")
+    try:
+        data = json.loads(path.read_text())
+        constants = CostConstants.from_json(data["constants"])
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ConfigError(f"cost_model.calibration={path}: not a specfit calibration file ({exc})") from exc
+    constants.source = str(path)
+    return constants
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+class SizeSweepSelector:
+    """Verifies a random number of the best nodes after a random number of levels, so calibration
+    sees cycles of every size (not registered as a plugin: it only serves calibration)."""
+
+    name = "size_sweep"
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+        self._stop_at = 1
+
+    def bind(self, spec: Any) -> None:
+        pass
+
+    def select(self, tree: Any, ctx: Any) -> Any:
+        from specfit.interfaces import Selection
+
+        if tree.depth == 1:
+            self._stop_at = int(self.rng.integers(1, max(ctx.max_depth, 1) + 1))
+        stop = tree.depth >= self._stop_at
+        count = int(self.rng.integers(0, min(ctx.max_nodes, len(tree)) + 1)) if stop else 0
+        return Selection(nodes=tree.top_by_path_prob(count), stop=stop)
+
+    def observe(self, tree: Any, verified: Any, accepted: Any) -> None:
+        pass
+
+
+def run_calibration(engine: Any, prompts: Sequence[Any], max_new_tokens: int, seed: int = 0,
+                    held_out: float = 0.3) -> tuple[CostConstants, dict[str, Any]]:
+    """Decode ``prompts`` with cycles of random size, fit the constants, report held-out error."""
+    saved = engine.selector
+    engine.selector = SizeSweepSelector(seed)
+    records: list[CycleRecord] = []
+    try:
+        for prompt in prompts:
+            records += engine.generate(prompt, max_new_tokens=max_new_tokens).cycles
+    finally:
+        engine.selector = saved
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(records))
+    cut = max(4, int(len(records) * (1 - held_out)))
+    fit = [records[i] for i in order[:cut]]
+    test = [records[i] for i in order[cut:]] or fit
+    constants = fit_constants(fit)
+    errors = percentage_errors(constants, test)
+    report = {
+        "cycles_fit": len(fit),
+        "cycles_held_out": len(test),
+        "cycle_time_ape_median": float(np.median(errors)),
+        "cycle_time_ape_p90": float(np.quantile(errors, 0.9)),
+    }
+    return constants, report

@@ -1,0 +1,127 @@
+"""The expert-union cost model (method.md section 2).
+
+A cycle that verifies subtree S costs ``c0 + c_tok (|S| + 1) + sum_l [c_miss |U_l \\ R_l| +
+c_hit |U_l & R_l|] + D``, where U_l is the union of the experts the root and S activate in layer
+l, R_l the experts resident when verification starts, and D the time already spent drafting.
+Cache-aware by default; ``cache_aware=false`` charges every expert c_miss.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from specfit.config import CostModelConfig
+from specfit.core.calibration import CostConstants, fit_constants
+from specfit.core.moe import MoESpec
+from specfit.core.search import SearchProblem, evaluate
+from specfit.core.tree import DraftTree
+from specfit.errors import ConfigError
+
+
+@dataclass
+class UnionCostConfig(CostModelConfig):
+    name: str = "union"
+    cache_aware: bool = True
+    calibration: str = "auto"  # auto: the stored calibration of this setup (made on first use) | a file path
+    online: bool = False  # refit the constants from the last cycles as decoding goes
+    # explicit constants (seconds) override the calibrated ones
+    c0: float | None = None
+    c_tok: float | None = None
+    c_miss: float | None = None
+    c_hit: float | None = None
+    c_level: float | None = None
+
+
+OVERRIDES = ("c0", "c_tok", "c_miss", "c_hit", "c_level")
+
+
+class UnionCostModel:
+    name = "union"
+    Config = UnionCostConfig
+
+    def __init__(self, cache_aware: bool = True, calibration: str = "auto", online: bool = False,
+                 constants: CostConstants | None = None, refit_every: int = 16, window: int = 256,
+                 **overrides: float | None) -> None:
+        self.cache_aware = cache_aware
+        self.calibration = calibration
+        self.online = online
+        self.overrides = {k: v for k, v in overrides.items() if k in OVERRIDES and v is not None}
+        unknown = set(overrides) - set(OVERRIDES)
+        if unknown:
+            raise ConfigError(f"cost_model: unknown constants {sorted(unknown)}")
+        self._constants: CostConstants | None = None
+        self.refit_every, self._recent = refit_every, deque(maxlen=window)
+        self._seen = 0
+        if constants is not None:
+            self.set_constants(constants)
+
+    @classmethod
+    def from_config(cls, cfg: UnionCostConfig) -> UnionCostModel:
+        return cls(cache_aware=cfg.cache_aware, calibration=cfg.calibration, online=cfg.online,
+                   **{k: getattr(cfg, k) for k in OVERRIDES})
+
+    def bind(self, spec: MoESpec) -> None:
+        self.spec = spec
+
+    # ------------------------------------------------------------------ constants
+
+    def set_constants(self, constants: CostConstants) -> None:
+        values = {**constants.to_json(), **self.overrides}
+        self._constants = CostConstants.from_json(values)
+
+    @property
+    def constants(self) -> CostConstants:
+        if self._constants is None:
+            if set(("c0", "c_tok", "c_miss", "c_hit")) <= set(self.overrides):
+                self._constants = CostConstants.from_json({**self.overrides, "source": "config"})
+            else:
+                raise ConfigError("cost_model=union is not calibrated: run `specfit calibrate`, set "
+                                  "cost_model.calibration=FILE, or give cost_model.c0/c_tok/c_miss/c_hit")
+        return self._constants
+
+    @property
+    def calibrated(self) -> bool:
+        return self._constants is not None
+
+    # ------------------------------------------------------------------ predictions
+
+    def problem(self, tree: DraftTree, accept: np.ndarray, resident: np.ndarray, draft_seconds: float) -> SearchProblem:
+        """The selection instance for ``tree`` (method.md sections 2-3)."""
+        c = self.constants
+        layers, k = self.spec.num_layers, self.spec.top_k
+        if tree.experts is None and len(tree):
+            raise ConfigError("the union cost model needs predicted experts: set predictor=history (or another predictor)")
+        node_experts = tree.experts[: len(tree)] if tree.experts is not None else np.zeros((0, layers, k), np.int32)
+        root = tree.root_experts if tree.root_experts is not None else np.full((layers, k), -1, np.int32)
+        return SearchProblem(
+            parents=tree.parents_array(),
+            accept=accept,
+            node_experts=node_experts,
+            root_experts=root,
+            resident=resident if self.cache_aware else np.zeros_like(resident),
+            c0=c.c0,
+            c_tok=c.c_tok,
+            c_miss=c.c_miss,
+            c_hit=c.c_hit if self.cache_aware else c.c_miss,
+            draft_time=draft_seconds,
+        )
+
+    def predict(self, tree: DraftTree, nodes: Sequence[int], resident: np.ndarray, draft_seconds: float) -> float:
+        mask = np.zeros(len(tree), dtype=bool)
+        mask[list(nodes)] = True
+        problem = self.problem(tree, np.zeros(len(tree)), resident, draft_seconds)
+        return evaluate(problem, mask)[1]
+
+    def observe(self, record: Any) -> None:
+        if not self.online:
+            return
+        self._recent.append(record)
+        self._seen += 1
+        if self._seen % self.refit_every == 0 and len(self._recent) >= 8:
+            fitted = fit_constants(list(self._recent))
+            fitted.source = "online"
+            self.set_constants(fitted)

@@ -1,0 +1,102 @@
+"""Predict a draft node's experts from the routing its token had when it was verified before.
+
+Routing depends strongly on the token itself (most of all in early layers), so per-token,
+per-layer expert counts gathered online from verified tokens are a cheap, model-free predictor.
+The previous token (the node's parent) refines it when that pair has been seen. A token never
+seen is predicted by the router probe (:mod:`specfit.core.router_probe`): falling back to the
+most frequent experts instead would predict the same experts for every new token and make large
+trees look free.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from specfit.config import PredictorConfig
+from specfit.core.router_probe import RouterProbe
+from specfit.core.tree import ROOT, DraftTree
+
+
+@dataclass
+class HistoryPredictorConfig(PredictorConfig):
+    name: str = "history"
+    max_keys: int = 65536  # distinct tokens (and token pairs) remembered; least recently seen are dropped
+    pair_weight: float = 1.0  # weight of the (previous token, token) statistics over the token's own
+    prior: float = 0.5  # weight of the layer-wide frequencies
+
+
+class _Counts:
+    """Expert counts per key, [layers, experts], bounded by least-recent use."""
+
+    def __init__(self, layers: int, experts: int, max_keys: int) -> None:
+        self.shape, self.max_keys = (layers, experts), max_keys
+        self.table: OrderedDict[Any, np.ndarray] = OrderedDict()
+
+    def get(self, key: Any) -> np.ndarray | None:
+        return self.table.get(key)
+
+    def add(self, key: Any, routing: np.ndarray) -> None:
+        counts = self.table.get(key)
+        if counts is None:
+            counts = self.table[key] = np.zeros(self.shape, dtype=np.float32)
+            if len(self.table) > self.max_keys:
+                self.table.popitem(last=False)
+        else:
+            self.table.move_to_end(key)
+        counts[np.arange(self.shape[0])[:, None], routing] += 1.0
+
+
+class HistoryPredictor:
+    name = "history"
+    Config = HistoryPredictorConfig
+
+    def __init__(self, max_keys: int = 65536, pair_weight: float = 1.0, prior: float = 0.5) -> None:
+        self.max_keys, self.pair_weight, self.prior = max_keys, pair_weight, prior
+
+    def bind(self, target: Any) -> None:
+        spec = target.runtime.spec
+        self.layers, self.experts, self.k = spec.num_layers, spec.num_experts, spec.top_k
+        self.single = _Counts(self.layers, self.experts, self.max_keys)
+        self.pairs = _Counts(self.layers, self.experts, self.max_keys)
+        self.overall = np.ones((self.layers, self.experts), dtype=np.float64)
+        self.probe = RouterProbe(target.model, spec)
+        self._last_token: int | None = None
+
+    def _scores(self, previous: int | None, token: int) -> np.ndarray:
+        own = self.single.get(token)
+        scores = self.prior * self.overall / self.overall.sum(axis=1, keepdims=True) + own / own[0].sum()
+        pair = self.pairs.get((previous, token)) if previous is not None else None
+        if pair is not None:
+            scores = scores + self.pair_weight * pair / pair[0].sum()
+        return scores
+
+    def _top_k(self, previous: int | None, token: int) -> np.ndarray:
+        if self.single.get(token) is None:
+            return self.probe.experts([token])[0]
+        scores = self._scores(previous, token)
+        top = np.argpartition(-scores, self.k - 1, axis=1)[:, : self.k]
+        return np.take_along_axis(top, np.argsort(-np.take_along_axis(scores, top, 1), axis=1), 1)
+
+    def predict(self, tree: DraftTree, nodes: range) -> None:
+        rows = tree.expert_rows(self.layers, self.k)
+        if tree.root_experts is None:
+            tree.root_experts = self._top_k(self._last_token, tree.root_token).astype(np.int32)
+        for v in nodes:
+            parent = tree.parents[v]
+            previous = tree.root_token if parent == ROOT else tree.tokens[parent]
+            rows[v] = self._top_k(previous, tree.tokens[v])
+
+    def observe(self, tokens: Sequence[int], routing: np.ndarray) -> None:
+        previous = self._last_token
+        for token, routed in zip(tokens, routing):
+            routed = routed[:, : self.k]
+            self.single.add(token, routed)
+            if previous is not None:
+                self.pairs.add((previous, token), routed)
+            self.overall[np.arange(self.layers)[:, None], routed] += 1.0
+            previous = token
+        self._last_token = previous

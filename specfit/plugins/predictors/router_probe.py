@@ -1,0 +1,38 @@
+"""Predict a node's experts with the target's own routers applied to its token's embedding
+(see :mod:`specfit.core.router_probe`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from specfit.config import PredictorConfig
+from specfit.core.router_probe import RouterProbe
+from specfit.core.tree import DraftTree
+
+
+@dataclass
+class RouterProbeConfig(PredictorConfig):
+    name: str = "router_probe"
+
+
+class RouterProbePredictor:
+    name = "router_probe"
+    Config = RouterProbeConfig
+
+    def bind(self, target: Any) -> None:
+        spec = target.runtime.spec
+        self.layers, self.k = spec.num_layers, spec.top_k
+        self.probe = RouterProbe(target.model, spec)
+
+    def predict(self, tree: DraftTree, nodes: range) -> None:
+        rows = tree.expert_rows(self.layers, self.k)
+        if tree.root_experts is None:
+            tree.root_experts = self.probe.experts([tree.root_token])[0]
+        for v, experts in zip(nodes, self.probe.experts([tree.tokens[v] for v in nodes])):
+            rows[v] = experts
+
+    def observe(self, tokens: Sequence[int], routing: np.ndarray) -> None:
+        pass

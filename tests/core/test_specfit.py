@@ -1,0 +1,140 @@
+"""SpecFit end to end: lossless with every cache, the cost model, predictors and calibration."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model
+from drafters import ScriptedDrafter
+
+import specfit
+from specfit import Engine
+from specfit.core.calibration import CostConstants, fit_constants, nnls
+from specfit.core.tree import DraftTree
+from specfit.errors import ConfigError
+from specfit.plugins.caches.full import FullCache
+from specfit.plugins.caches.lru import LRUCache
+from specfit.plugins.caches.none import NoCache
+from specfit.plugins.cost_models.union import UnionCostModel
+from specfit.plugins.predictors.history import HistoryPredictor
+from specfit.plugins.predictors.router_probe import RouterProbePredictor
+from specfit.plugins.selectors.specfit import SpecFitSelector
+
+PROMPT = [5, 17, 99, 3, 42, 8, 120, 77]
+CONSTANTS = CostConstants(c0=2e-3, c_tok=1e-4, c_miss=4e-4, c_hit=2e-5, c_level=5e-4)
+
+
+def reference(n=40):
+    with torch.no_grad():
+        return tiny_model().generate(torch.tensor([PROMPT]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0].tolist()
+
+
+@pytest.mark.parametrize("cache", [lambda: LRUCache(capacity=4), lambda: NoCache(), lambda: FullCache()], ids=["lru", "none", "full"])
+@pytest.mark.parametrize("predictor", [HistoryPredictor, RouterProbePredictor])
+@pytest.mark.parametrize("acceptance", ["path_prob", "calibrated"])
+def test_specfit_is_lossless(cache, predictor, acceptance):
+    ref = reference()
+    engine = Engine(tiny_model(), cache=cache(), drafter=ScriptedDrafter(ref, vocab=256, branching=3, depth=4, miss=0.1),
+                    selector=SpecFitSelector(acceptance=acceptance), cost_model=UnionCostModel(constants=CONSTANTS),
+                    predictor=predictor(), device="cpu")
+    out = engine.generate(PROMPT, max_new_tokens=30)
+    assert out.token_ids == ref[len(PROMPT):][:30]
+    assert 0 < out.stats["predictor_recall"] <= 1
+    assert all("rho" in c.predicted for c in out.cycles if c.drafted)
+
+
+def test_cheap_misses_verify_more_than_expensive_ones():
+    ref = reference()
+
+    def verified(c_miss):
+        constants = CostConstants(c0=2e-3, c_tok=1e-5, c_miss=c_miss, c_hit=1e-6, c_level=1e-4)
+        engine = Engine(tiny_model(), cache=NoCache(), drafter=ScriptedDrafter(ref, vocab=256, branching=3, depth=3, miss=0.0),
+                        selector=SpecFitSelector(), cost_model=UnionCostModel(constants=constants),
+                        predictor=HistoryPredictor(), device="cpu")
+        return engine.generate(PROMPT, max_new_tokens=24).stats["verified_nodes_per_cycle"]
+
+    assert verified(1e-6) > verified(5e-2)
+
+
+def test_union_cost_model_matches_the_formula():
+    spec_model = tiny_model()
+    engine = Engine(spec_model, device="cpu")
+    cm = UnionCostModel(constants=CONSTANTS)
+    cm.bind(engine.spec)
+    tree = DraftTree(root_token=1)
+    tree.add_level([-1, -1], [2, 3], [-0.1, -0.2])
+    tree.add_level([0], [4], [-0.3])
+    rows = tree.expert_rows(engine.spec.num_layers, 2)
+    rows[0], rows[1], rows[2] = [0, 1], [2, 3], [0, 5]
+    tree.root_experts = np.tile(np.array([[0, 7]], dtype=np.int32), (engine.spec.num_layers, 1))
+    resident = np.zeros((engine.spec.num_layers, engine.spec.num_experts), dtype=bool)
+    resident[:, 1] = True
+    # S = {0, 2}: per layer union {0, 7, 1, 5}: hits {1}, misses {0, 7, 5}
+    expected = CONSTANTS.c0 + CONSTANTS.c_tok * 3 + engine.spec.num_layers * (3 * CONSTANTS.c_miss + CONSTANTS.c_hit) + 0.01
+    assert cm.predict(tree, [0, 2], resident, 0.01) == pytest.approx(expected)
+    oblivious = UnionCostModel(cache_aware=False, constants=CONSTANTS)
+    oblivious.bind(engine.spec)
+    assert oblivious.predict(tree, [0, 2], resident, 0.01) == pytest.approx(expected + engine.spec.num_layers * (CONSTANTS.c_miss - CONSTANTS.c_hit))
+
+
+def test_uncalibrated_cost_model_says_how_to_fix_it():
+    cm = UnionCostModel(calibration="auto")
+    with pytest.raises(ConfigError, match="specfit calibrate"):
+        cm.constants
+
+
+def test_nnls_and_fit_recover_known_constants():
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0, 10, size=(50, 3))
+    assert np.allclose(nnls(x, x @ np.array([1.0, 0.0, 2.0])), [1.0, 0.0, 2.0], atol=1e-9)
+    from specfit.core.stats import CycleRecord
+
+    truth = CostConstants(c0=3e-3, c_tok=2e-4, c_miss=7e-4, c_hit=1e-4, c_level=4e-4, c_draft0=1e-3)
+    records = []
+    for _ in range(40):
+        n, misses, hits, levels = (int(v) for v in rng.integers(0, 30, size=4))
+        draft = truth.c_draft0 + truth.c_level * levels
+        h2d = misses * (truth.c_miss - truth.c_hit)
+        total = truth.cycle_seconds(n, misses, hits, draft)
+        records.append(CycleRecord(drafted=n, levels=levels, verified=n, accepted=0, committed=1, draft_seconds=draft,
+                                   select_seconds=0.0, verify_seconds=total - draft, h2d_seconds=h2d, total_seconds=total,
+                                   misses=misses, hits=hits, union=[]))
+    fitted = fit_constants(records)
+    for key in ("c0", "c_tok", "c_miss", "c_hit", "c_level", "c_draft0"):
+        assert getattr(fitted, key) == pytest.approx(getattr(truth, key), rel=1e-6, abs=1e-12), key
+
+
+def test_calibration_is_measured_once_then_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECFIT_HOME", str(tmp_path))
+    overrides = ["model=tiny", "drafter=eagle3", "drafter.top_k=3", "drafter.depth=2", "drafter.total_tokens=6",
+                 "selector=specfit", "cost_model=union", "predictor=history", "cache.capacity=4", "max_new_tokens=8"]
+    engine = specfit.build(specfit.compose(overrides))
+    files = list(tmp_path.glob("calibration/*.json"))
+    assert len(files) == 1 and engine.cost_model.constants.source == str(files[0])
+    data = json.loads(files[0].read_text())
+    assert data["setup"]["cache"] == "lru" and data["report"]["cycles_fit"] >= 4
+    again = specfit.build(specfit.compose(overrides))
+    assert again.cost_model.constants == engine.cost_model.constants
+    out = again.generate(PROMPT)
+    assert out.token_ids == reference()[len(PROMPT):][:8]
+
+
+def test_calibrate_command_prints_error_and_path(tmp_path, monkeypatch, capsys):
+    from specfit.cli import main
+
+    monkeypatch.setenv("SPECFIT_HOME", str(tmp_path / "home"))
+    main(["calibrate", "model=tiny", "drafter=eagle3", "drafter.depth=2", "drafter.top_k=3", "predictor=history",
+          "max_new_tokens=12", f"hydra.run.dir={tmp_path / 'run'}"])
+    out = capsys.readouterr().out
+    assert "held-out cycle-time error: median" in out and "stored: " in out
+
+
+def test_specfit_without_cost_model_is_a_clear_error():
+    ref = reference()
+    engine = Engine(tiny_model(), drafter=ScriptedDrafter(ref, vocab=256), selector=SpecFitSelector(),
+                    predictor=HistoryPredictor(), device="cpu")
+    with pytest.raises(ConfigError, match="set cost_model=union"):
+        engine.generate(PROMPT, max_new_tokens=4)
