@@ -119,23 +119,28 @@ _ONE = np.uint64(1)
 def _expert_bitsets(node_experts, root_experts, resident, n_words):
     """own[v, ly, w], root[ly, w], res[ly, w]: expert sets as bitsets (-1 entries ignored)."""
     n, n_layers, top_k = node_experts.shape
+    n_experts = resident.shape[1]
     own = np.zeros((n, n_layers, n_words), dtype=np.uint64)
+    own_rows = own.reshape(n * n_layers, n_words)  # views: flat loops are faster
+    ids = node_experts.reshape(n * n_layers, top_k)
+    for r in range(n * n_layers):
+        for k in range(top_k):
+            e = ids[r, k]
+            if e >= 0:
+                own_rows[r, e >> 6] |= _ONE << np.uint64(e & 63)
     root = np.zeros((n_layers, n_words), dtype=np.uint64)
     res = np.zeros((n_layers, n_words), dtype=np.uint64)
-    for v in range(n):
-        for ly in range(n_layers):
-            for k in range(top_k):
-                e = node_experts[v, ly, k]
-                if e >= 0:
-                    own[v, ly, e >> 6] |= _ONE << np.uint64(e & 63)
     for ly in range(n_layers):
         for k in range(root_experts.shape[1]):
             e = root_experts[ly, k]
             if e >= 0:
                 root[ly, e >> 6] |= _ONE << np.uint64(e & 63)
-        for e in range(resident.shape[1]):
-            if resident[ly, e]:
-                res[ly, e >> 6] |= _ONE << np.uint64(e & 63)
+        for w in range(n_words):
+            word = np.uint64(0)
+            for b in range(min(64, n_experts - 64 * w)):
+                if resident[ly, 64 * w + b]:
+                    word |= _ONE << np.uint64(b)
+            res[ly, w] = word
     return own, root, res
 
 
