@@ -165,7 +165,7 @@ class OffloadRuntime:
             admission = self.policy.admit(layer, remaining)
             self._check_admission(layer, remaining, admission)
             if admission.loads:
-                self._load(layer, admission.loads)
+                self._count(self._load(layer, admission.loads))
             self.stats.misses += len(admission.loads)
             self.stats.hits += len(admission.slots) - len(admission.loads)
             for expert, slot in admission.slots.items():
@@ -180,12 +180,16 @@ class OffloadRuntime:
 
     # ------------------------------------------------------------------ copies
 
-    def _load(self, layer: int, loads: Sequence[tuple[int, int]]) -> None:
+    def _load(self, layer: int, loads: Sequence[tuple[int, int]]):  # noqa: ANN202 - a CopyRecord
+        """Copy (expert, slot) pairs of one layer in one engine call and update the resident map."""
         src = torch.tensor([e for e, _ in loads], dtype=torch.int64)
         dst = torch.tensor([s for _, s in loads], dtype=torch.int64)
         record = self.copy_engine.copy(self.stores[layer], src, self.slots[layer], dst)
         for e, s in loads:
             self.slot_expert[layer, s] = e
+        return record
+
+    def _count(self, record) -> None:  # noqa: ANN001
         self.stats.h2d_bytes += record.bytes
         self.stats.h2d_seconds += record.seconds
         self.stats.copy_calls += 1
@@ -195,12 +199,7 @@ class OffloadRuntime:
         for layer, expert, slot in self.policy.preload():
             by_layer.setdefault(layer, []).append((expert, slot))
         for layer, loads in by_layer.items():
-            src = torch.tensor([e for e, _ in loads], dtype=torch.int64)
-            dst = torch.tensor([s for _, s in loads], dtype=torch.int64)
-            record = self.copy_engine.copy(self.stores[layer], src, self.slots[layer], dst)
-            for e, s in loads:
-                self.slot_expert[layer, s] = e
-            self.stats.preload_bytes += record.bytes
+            self.stats.preload_bytes += self._load(layer, loads).bytes
 
     def _check_admission(self, layer: int, wanted: list[int], admission) -> None:  # noqa: ANN001
         """A policy bug must fail loudly, never compute with the wrong weights."""
