@@ -1,0 +1,113 @@
+"""Shared helpers for the trainers: data location, LR schedule, progress bars, JSONL logs.
+
+Kept free of heavy imports at module level (torch is imported inside functions) so that the
+corpus and GSM modules stay cheap to import for commands that only need text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+#: The repository root (``specfit/training/common.py`` -> two levels up). Used only to find the
+#: default data directory ``<repo>/../shared/data``; an installed wheel has no such sibling and
+#: gets a clear error instead.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+#: Environment variable that overrides the default data directory.
+DATA_DIR_ENV = "SPECFIT_DATA_DIR"
+
+
+class DataDirError(FileNotFoundError):
+    """The training data directory (or a required part of it) is missing."""
+
+
+def default_data_dir() -> Path:
+    """Where the training data lives unless told otherwise.
+
+    ``$SPECFIT_DATA_DIR`` if set, else ``<repo>/../shared/data`` resolved from the repository
+    root (not from the current directory, so commands work from anywhere in the checkout).
+    """
+    env = os.environ.get(DATA_DIR_ENV)
+    if env:
+        return Path(env).expanduser().resolve()
+    return (REPO_ROOT / ".." / "shared" / "data").resolve()
+
+
+def resolve_data_dir(data_dir: str | os.PathLike[str] | None, *required: str) -> Path:
+    """Return ``data_dir`` (or the default) as a Path, checking that it and ``required`` exist.
+
+    Raises :class:`DataDirError` naming the missing path and how to point at the data, because a
+    user's machine usually has no ``../shared/data``.
+    """
+    path = Path(data_dir).expanduser().resolve() if data_dir is not None else default_data_dir()
+    if not path.is_dir():
+        raise DataDirError(
+            f"training data directory not found: {path} "
+            f"(pass data_dir=... or set ${DATA_DIR_ENV}; the project expects ../shared/data "
+            "beside the repository, holding corpus/ and gsm/)"
+        )
+    for rel in required:
+        sub = path / rel
+        if not sub.exists():
+            raise DataDirError(f"training data incomplete: {sub} is missing (data directory {path})")
+    return path
+
+
+def warmup_cosine_lr(step: int, *, total_steps: int, warmup_steps: int, lr: float,
+                     min_lr_ratio: float = 0.1) -> float:
+    """Learning rate at ``step`` (0-based): linear warmup, then cosine decay to ``min_lr_ratio*lr``."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def progress_bar(total: int, *, initial: int = 0, desc: str = "", unit: str = "step",
+                 disable: bool | None = None) -> Any:
+    """A tqdm bar on stderr, off when stderr is not a terminal (logs stay clean)."""
+    from tqdm.auto import tqdm
+
+    if disable is None:
+        disable = not sys.stderr.isatty()
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, file=sys.stderr,
+                disable=disable, dynamic_ncols=True)
+
+
+class JsonlLog:
+    """Append-only JSON-lines log; each record gets a wall-clock ``time`` field."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, **record: Any) -> None:
+        record.setdefault("time", round(time.time(), 3))
+        with self.path.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record, sort_keys=False) + "\n")
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with self.path.open(encoding="utf-8") as fh:
+            return [json.loads(line) for line in fh if line.strip()]
+
+
+def write_json(path: str | os.PathLike[str], obj: Any) -> None:
+    """Write ``obj`` as indented JSON atomically (temp file + rename), so a kill never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def join_documents(texts: Iterable[str], eos: str) -> str:
+    """Concatenate documents with the end-of-text separator after each one."""
+    return "".join(t + eos for t in texts)
