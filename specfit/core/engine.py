@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 from torch import nn
 
-from specfit.core.acceptance import accept
+from specfit.core.acceptance import Acceptance, accept
 from specfit.core.copy_engines import CopyEngine, LinkSettings, make_copy_engine
 from specfit.core.offload import OffloadRuntime
 from specfit.core.sampling import Sampler, SamplingParams
@@ -23,6 +23,26 @@ from specfit.core.tree import DraftTree, verify_block
 from specfit.errors import ConfigError
 from specfit.registry import check_plugin_instance
 from specfit.interfaces import Selection, SelectionContext
+
+
+@dataclass
+class CycleTrace:
+    """Everything one cycle saw, for observers (trace recording, analysis); built only when observed."""
+
+    tree: DraftTree
+    block: Any  # the VerifyBlock that was verified
+    argmax: list[int]  # the target's greedy token after each block position
+    routing: Any  # np.ndarray int [len(block), layers, top_k], experts each verified token used
+    accepted: list[int]  # accepted block positions
+    bonus: int
+    level_seconds: list[float]  # time since the cycle started, at the end of each draft level
+    record: CycleRecord
+
+
+class CycleObserver(Protocol):
+    def on_prefill(self, prompt_ids: list[int], routing: Any, first_token: int) -> None: ...
+
+    def on_cycle(self, trace: CycleTrace) -> None: ...
 
 
 @dataclass
@@ -90,6 +110,10 @@ class Engine:
         for part in (cost_model, predictor):
             if part is not None:
                 part.bind(self.spec if part is cost_model else self.target)
+        self.observers: list[CycleObserver] = []
+        # Commit at most this many accepted draft tokens per cycle (None: all). Trace recording
+        # sets 0 to visit every position of the greedy output; greedy decoding only.
+        self.accept_limit: int | None = None
         self.sampling = sampling or SamplingParams()
         self.max_new_tokens = max_new_tokens
         self.stop_token_ids = set(stop_token_ids)
@@ -124,6 +148,8 @@ class Engine:
             prefill = self.target.prefill(ids)
             out.append(sampler.next_token(prefill.logits[-1]))
             self.drafter.start(ids, prefill.features, out[-1])
+            for observer in self.observers:
+                observer.on_prefill(ids, prefill.routing, out[-1])
             stats.prefill_seconds = _now(self.device) - start
             decode_start = self.runtime.stats.copy()
             while len(out) < limit and out[-1] not in self.stop_token_ids:
@@ -145,10 +171,12 @@ class Engine:
         tree = DraftTree(root_token=root)
         selection = Selection(nodes=[])
         select_seconds = 0.0
+        level_seconds: list[float] = []
         for level in self.drafter.draft(tree):
             if self.predictor is not None:
                 self.predictor.predict(tree, level)
             t_sel = _now(self.device)
+            level_seconds.append(t_sel - t0 - select_seconds)
             ctx = SelectionContext(
                 resident=self.runtime.resident(),
                 draft_seconds=t_sel - t0,  # everything this cycle has spent so far
@@ -168,6 +196,11 @@ class Engine:
         prefix = self.target.kv_len
         result = self.target.verify(block)
         acc = accept(block, result.logits, sampler)
+        if self.accept_limit is not None and len(acc.path) > self.accept_limit:
+            if not sampler.params.greedy:
+                raise ConfigError("accept_limit (trace recording) needs greedy decoding")
+            path = acc.path[: self.accept_limit]
+            acc = Acceptance(path, int(torch.argmax(result.logits[path[-1] if path else 0])))
         kept = [0] + acc.path
         self.target.keep(prefix, kept)
         verify_seconds = _now(self.device) - t_verify
@@ -199,6 +232,11 @@ class Engine:
         )
         if self.cost_model is not None:
             self.cost_model.observe(record)
+        if self.observers:
+            trace = CycleTrace(tree, block, result.logits.argmax(dim=-1).tolist(), result.routing, acc.path, acc.bonus,
+                               level_seconds, record)
+            for observer in self.observers:
+                observer.on_cycle(trace)
         return record, kept_tokens[1:] + [acc.bonus]
 
     def _truncate(self, tokens: list[int], room: int) -> list[int]:

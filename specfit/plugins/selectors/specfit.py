@@ -26,6 +26,9 @@ class SpecFitConfig(SelectorConfig):
     name: str = "specfit"
     acceptance: str = "path_prob"  # path_prob (a_v = P_v) | calibrated (a_v = f(P_v, depth), learned online)
     early_stop: bool = True  # the draft-stop rule; false drafts every level and selects at the end
+    # D in T(S): the time the cycle has spent (measured) or the cost model's c_draft0 + c_level * depth
+    # (modelled: decisions then depend on no clock, so a replay of a trace reproduces them exactly)
+    draft_time: str = "measured"
 
 
 class CalibratedAcceptance:
@@ -64,9 +67,12 @@ class SpecFitSelector:
     name = "specfit"
     Config = SpecFitConfig
 
-    def __init__(self, acceptance: str = "path_prob", early_stop: bool = True) -> None:
+    def __init__(self, acceptance: str = "path_prob", early_stop: bool = True, draft_time: str = "measured") -> None:
         if acceptance not in ("path_prob", "calibrated"):
             raise ConfigError(f"selector.acceptance={acceptance!r} must be path_prob or calibrated")
+        if draft_time not in ("measured", "modelled"):
+            raise ConfigError(f"selector.draft_time={draft_time!r} must be measured or modelled")
+        self.draft_time = draft_time
         self.acceptance = acceptance
         self.early_stop = early_stop
         self.calibrator = CalibratedAcceptance() if acceptance == "calibrated" else None
@@ -82,7 +88,11 @@ class SpecFitSelector:
         cost_model = ctx.cost_model
         if cost_model is None or not hasattr(cost_model, "problem"):
             raise ConfigError("selector=specfit needs a cost model that builds selection problems: set cost_model=union")
-        problem = cost_model.problem(tree, self.accept_estimates(tree), ctx.resident, ctx.draft_seconds)
+        spent = ctx.draft_seconds
+        if self.draft_time == "modelled":
+            c = cost_model.constants
+            spent = c.c_draft0 + c.c_level * tree.depth
+        problem = cost_model.problem(tree, self.accept_estimates(tree), ctx.resident, spent)
         allowed = np.zeros(len(tree), dtype=bool)
         allowed[tree.top_by_path_prob(ctx.max_nodes)] = True
         result = solve(problem, allowed)
