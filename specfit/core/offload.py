@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -20,6 +20,8 @@ from torch import nn
 
 from specfit.core.moe import MoESpec, find_experts, moe_spec
 from specfit.errors import ConfigError, PluginError
+
+from specfit.interfaces.protocols import Admission
 
 if TYPE_CHECKING:
     from specfit.core.copy_engines import CopyEngine
@@ -160,12 +162,9 @@ class OffloadRuntime:
         order_dev = order.to(hidden.device)
         weights = top_k_weights.reshape(-1)
         out = hidden.new_zeros(tokens * k, hidden.shape[-1])
-        remaining = needed
-        while remaining:
-            admission = self.policy.admit(layer, remaining)
-            self._check_admission(layer, remaining, admission)
+        for admission in admission_rounds(self.policy, self.slot_expert, layer, needed):
             if admission.loads:
-                self._count(self._load(layer, admission.loads))
+                self._count(self._copy(layer, admission.loads))
             self.stats.misses += len(admission.loads)
             self.stats.hits += len(admission.slots) - len(admission.loads)
             for expert, slot in admission.slots.items():
@@ -175,19 +174,15 @@ class OffloadRuntime:
                 gate, up = F.linear(x, self._gate_up[layer][slot]).chunk(2, dim=-1)
                 y = F.linear(act_fn(gate) * up, self._down[layer][slot])
                 out[pos] = (y * weights[pos, None]).to(out.dtype)
-            remaining = [e for e in remaining if e not in admission.slots]
         return out.view(tokens, k, -1).sum(dim=1)
 
     # ------------------------------------------------------------------ copies
 
-    def _load(self, layer: int, loads: Sequence[tuple[int, int]]):  # noqa: ANN202 - a CopyRecord
-        """Copy (expert, slot) pairs of one layer in one engine call and update the resident map."""
+    def _copy(self, layer: int, loads: Sequence[tuple[int, int]]):  # noqa: ANN202 - a CopyRecord
+        """Copy (expert, slot) pairs of one layer in one engine call."""
         src = torch.tensor([e for e, _ in loads], dtype=torch.int64)
         dst = torch.tensor([s for _, s in loads], dtype=torch.int64)
-        record = self.copy_engine.copy(self.stores[layer], src, self.slots[layer], dst)
-        for e, s in loads:
-            self.slot_expert[layer, s] = e
-        return record
+        return self.copy_engine.copy(self.stores[layer], src, self.slots[layer], dst)
 
     def _count(self, record) -> None:  # noqa: ANN001
         self.stats.h2d_bytes += record.bytes
@@ -199,21 +194,40 @@ class OffloadRuntime:
         for layer, expert, slot in self.policy.preload():
             by_layer.setdefault(layer, []).append((expert, slot))
         for layer, loads in by_layer.items():
-            self.stats.preload_bytes += self._load(layer, loads).bytes
+            self.stats.preload_bytes += self._copy(layer, loads).bytes
+            for e, slot in loads:
+                self.slot_expert[layer, slot] = e
 
-    def _check_admission(self, layer: int, wanted: list[int], admission) -> None:  # noqa: ANN001
-        """A policy bug must fail loudly, never compute with the wrong weights."""
-        name = self.policy.name
-        if not admission.slots:
-            raise PluginError(f"cache '{name}' admitted nothing in layer {layer} (wanted {wanted[:8]}...)")
-        slots = list(admission.slots.values())
-        if len(set(slots)) != len(slots):
-            raise PluginError(f"cache '{name}' put two experts in one slot in layer {layer}")
-        loaded = dict(admission.loads)
-        for expert, slot in admission.slots.items():
-            if expert not in wanted or not 0 <= slot < self.slots_per_layer:
-                raise PluginError(f"cache '{name}' admitted expert {expert} to slot {slot} in layer {layer}: invalid")
-            if expert not in loaded and self.slot_expert[layer, slot] != expert:
-                raise PluginError(f"cache '{name}' claims expert {expert} is resident in layer {layer} slot {slot}, it is not")
-        if any(loaded[e] != admission.slots.get(e) for e in loaded):
-            raise PluginError(f"cache '{name}' loads an expert it did not admit, or into another slot, in layer {layer}")
+
+def admission_rounds(policy: ExpertCache, slot_expert: np.ndarray, layer: int, needed: list[int]) -> Iterator[Admission]:
+    """Ask ``policy`` round by round until every expert in ``needed`` has been admitted.
+
+    ``slot_expert[layer, slot]`` is the ground truth of which expert each slot holds; every
+    admission is checked against it (a policy bug must fail loudly, never compute with the wrong
+    weights) and its loads are recorded in it. The offload runtime copies and computes each round;
+    a trace replay only counts them.
+    """
+    remaining = needed
+    while remaining:
+        admission = policy.admit(layer, remaining)
+        _check_admission(policy.name, slot_expert[layer], layer, remaining, admission)
+        for expert, slot in admission.loads:
+            slot_expert[layer, slot] = expert
+        yield admission
+        remaining = [e for e in remaining if e not in admission.slots]
+
+
+def _check_admission(name: str, slots: np.ndarray, layer: int, wanted: list[int], admission: Admission) -> None:
+    if not admission.slots:
+        raise PluginError(f"cache '{name}' admitted nothing in layer {layer} (wanted {wanted[:8]}...)")
+    chosen = list(admission.slots.values())
+    if len(set(chosen)) != len(chosen):
+        raise PluginError(f"cache '{name}' put two experts in one slot in layer {layer}")
+    loaded = dict(admission.loads)
+    for expert, slot in admission.slots.items():
+        if expert not in wanted or not 0 <= slot < len(slots):
+            raise PluginError(f"cache '{name}' admitted expert {expert} to slot {slot} in layer {layer}: invalid")
+        if expert not in loaded and slots[slot] != expert:
+            raise PluginError(f"cache '{name}' claims expert {expert} is resident in layer {layer} slot {slot}, it is not")
+    if any(loaded[e] != admission.slots.get(e) for e in loaded):
+        raise PluginError(f"cache '{name}' loads an expert it did not admit, or into another slot, in layer {layer}")
