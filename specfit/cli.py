@@ -17,6 +17,7 @@ USAGE = """usage: specfit <command> [key=value ...] [hydra flags]
 
 commands:
   demo       decode built-in prompts with several methods and print the comparison (the main job)
+  bench      compare methods side by side:  specfit bench methods=[ar,eagle3,specfit] workloads=[prose,gsm]
   generate   decode a prompt:  specfit generate model.path=DIR prompt="..." cache=lru cache.capacity=16
   calibrate  measure the cost model's constants for this model, cache, copy engine and machine
   plugins    list registered plugins (--json for machine-readable output)
@@ -25,7 +26,7 @@ Overrides use Hydra syntax; `specfit <command> --cfg job` shows every key. Docs:
 """
 
 # command -> (primary config, job)
-HYDRA_COMMANDS: dict[str, str] = {"generate": "config", "demo": "demo", "calibrate": "calibrate"}
+HYDRA_COMMANDS: dict[str, str] = {"generate": "config", "demo": "demo", "bench": "bench", "calibrate": "calibrate"}
 
 # Hydra flags that take a value: skipped when pre-validating overrides.
 _FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
@@ -60,8 +61,8 @@ def _job(command: str) -> Callable:
             from specfit.commands.generate import run
 
             run(cfg, output_dir)
-        elif command == "demo":
-            from specfit.commands.compare import run
+        elif command in ("demo", "bench"):
+            from specfit.commands.bench import run
 
             run(cfg, output_dir, overrides)
         elif command == "calibrate":

@@ -95,13 +95,20 @@ class ModelConfig:
 
 @dataclass
 class WorkloadConfig:
-    """Prompts to decode: inline strings or token ids, or a JSONL file."""
+    """The prompts to decode; see :mod:`specfit.workloads` for the kinds."""
 
     name: str = "inline"
+    kind: str = "inline"  # inline | prose | summary | gsm | jsonl | hf
     prompts: list[str] = field(default_factory=list)
     prompt_ids: list[list[int]] = field(default_factory=list)
-    path: str | None = None  # JSONL with a "prompt" (text) or "prompt_ids" field per line
+    path: str | None = None  # kind=jsonl: one {"prompt": ...} or {"prompt_ids": [...]} per line
+    dataset: str | None = None  # kind=hf: cnn_dailymail | gsm8k (a local copy)
+    split: str = "test"
+    data_dir: str | None = None  # prose/summary/gsm: default ../shared/data beside the repository
+    num_prompts: int = 8
+    prompt_chars: int = 600  # prose/summary: characters of context
     max_prompts: int | None = None
+    seed: int = 0
 
 
 @dataclass
@@ -130,10 +137,14 @@ class SpecfitConfig:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     results_file: str = "results.jsonl"
-    # Named methods for comparisons (`specfit demo`, `specfit bench`): overrides applied per method.
+    # Comparisons (`specfit demo`, `specfit bench`): named methods, each a list of overrides
+    # (method_presets), run side by side on the same prompts of each workload in `workloads`
+    # (empty: the config's own workload), interleaved, `repeats` times.
     methods: list[str] = field(default_factory=list)
     method_presets: dict[str, list[str]] = field(default_factory=dict)
+    workloads: list[str] = field(default_factory=list)
     repeats: int = 1
+    baseline: str = "ar"  # speedups are relative to this method (and to eagle3_nocache when present)
 
 
 def store_schemas(cs: Any) -> None:

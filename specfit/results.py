@@ -45,27 +45,32 @@ def stats_line(stats: dict[str, Any]) -> str:
 COLUMNS = [
     ("method", "method", "{}"),
     ("tok/s", "output_throughput", "{:.2f}"),
-    ("speedup", "speedup", "{:.2f}x"),
+    ("vs base", "speedup", "{:.2f}x"),
+    ("vs eagle3_nc", "speedup_vs_eagle3_nocache", "{:.2f}x"),
     ("accept len", "spec_decode_acceptance_length", "{:.2f}"),
     ("verified/cyc", "verified_nodes_per_cycle", "{:.1f}"),
     ("union/layer", "experts_per_layer_union", "{:.2f}"),
     ("hit rate", "expert_cache_hit_rate", "{:.2f}"),
-    ("misses", "expert_cache_misses", "{}"),
     ("H2D MB", "h2d_mb", "{:.1f}"),
     ("H2D s", "h2d_seconds", "{:.3f}"),
+    ("recall", "predictor_recall", "{:.2f}"),
 ]
 
 
 def comparison_table(rows: Sequence[dict[str, Any]], baseline: str | None = None) -> str:
-    """A fixed-width table of per-method means; speedup is relative to ``baseline`` (default: first)."""
+    """A fixed-width table of per-method means; speedups are relative to ``baseline`` (default: the
+    first row) and to vanilla EAGLE-3 without a cache when it was run."""
     if not rows:
         return "(no results)"
     base = next((r for r in rows if r["method"] == baseline), rows[0])
+    vanilla = next((r for r in rows if r["method"] == "eagle3_nocache"), None)
     table = []
     for r in rows:
         r = dict(r, h2d_mb=r.get("h2d_bytes", 0) / 1e6)
         r["speedup"] = r["output_throughput"] / base["output_throughput"] if base["output_throughput"] else 0.0
-        table.append([fmt.format(r.get(key, 0)) for _, key, fmt in COLUMNS])
+        if vanilla is not None and vanilla["output_throughput"]:
+            r["speedup_vs_eagle3_nocache"] = r["output_throughput"] / vanilla["output_throughput"]
+        table.append([fmt.format(r[key]) if key in r else "-" for _, key, fmt in COLUMNS])
     header = [name for name, _, _ in COLUMNS]
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]

@@ -1,34 +1,140 @@
-"""Workloads: the prompts a job decodes (inline lists or a JSONL file)."""
+"""Workloads: the prompts a job decodes.
+
+Kinds (``workload.kind``):
+
+- ``inline``: ``workload.prompts`` / ``workload.prompt_ids`` (or the job's ``prompt`` / ``prompt_ids``);
+- ``prose``: continuation of passages from the held-out plays and books of ../shared/data;
+- ``summary``: long held-out passages followed by a summary cue (long context);
+- ``gsm``: GSM-style problems generated from the held-out templates (0064-0079);
+- ``jsonl``: a user's file, one ``{"prompt": ...}`` or ``{"prompt_ids": [...]}`` per line;
+- ``hf``: a Hugging Face dataset available locally (``cnn_dailymail``, ``gsm8k``), the paper's workloads.
+
+Every prompt list is deterministic in ``workload.seed``; results name the workload and its split.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import numpy as np
 from omegaconf import DictConfig
 
 from specfit.errors import ConfigError
 
+KINDS = ("inline", "prose", "summary", "gsm", "jsonl", "hf")
+SUMMARY_CUE = "\n\nIn short,"
+
 
 def load_workload(cfg: DictConfig) -> list[str | list[int]]:
+    kind = cfg.kind
+    if kind not in KINDS:
+        raise ConfigError(f"workload.kind={kind!r} is not one of {', '.join(KINDS)}")
     prompts: list[str | list[int]] = [list(p) for p in cfg.prompt_ids] + [str(p) for p in cfg.prompts]
-    if cfg.path:
-        path = Path(cfg.path).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"workload.path={cfg.path}: no such file")
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"workload.path={cfg.path} line {n}: not JSON ({exc.msg})") from exc
-            if "prompt_ids" in row:
-                prompts.append([int(t) for t in row["prompt_ids"]])
-            elif "prompt" in row:
-                prompts.append(str(row["prompt"]))
-            else:
-                raise ConfigError(f"workload.path={cfg.path} line {n}: needs a 'prompt' or 'prompt_ids' field")
+    if kind in ("prose", "summary"):
+        prompts += _passages(cfg, summary=kind == "summary")
+    elif kind == "gsm":
+        prompts += _gsm(cfg)
+    elif kind == "jsonl":
+        prompts += _jsonl(cfg)
+    elif kind == "hf":
+        prompts += _hf_dataset(cfg)
     if cfg.max_prompts is not None:
         prompts = prompts[: cfg.max_prompts]
     return prompts
+
+
+def describe(cfg: DictConfig) -> dict[str, str]:
+    """What results should say about the prompts: the workload's name, kind and split."""
+    split = {"prose": "held-out documents", "summary": "held-out documents", "gsm": "held-out templates 0064-0079",
+             "hf": cfg.split, "jsonl": str(cfg.path), "inline": "inline"}[cfg.kind]
+    return {"workload": cfg.name, "workload_kind": cfg.kind, "workload_split": split}
+
+
+def _data(cfg: DictConfig):  # noqa: ANN202 - a CorpusSplit or the data path
+    from specfit.training.common import DataDirError
+
+    try:
+        if cfg.kind == "gsm":
+            from specfit.training.common import resolve_data_dir
+
+            return resolve_data_dir(cfg.data_dir, "gsm")
+        from specfit.training.corpus import load_corpus
+
+        return load_corpus(cfg.data_dir)
+    except (DataDirError, FileNotFoundError) as exc:
+        raise ConfigError(f"workload={cfg.name}: {exc}") from exc
+
+
+def _passages(cfg: DictConfig, summary: bool) -> list[str]:
+    docs = [text for _, text in _data(cfg).heldout]
+    rng = np.random.default_rng(cfg.seed)
+    out = []
+    for i in range(cfg.num_prompts):
+        text = docs[i % len(docs)]
+        start = int(rng.integers(0, max(1, len(text) - cfg.prompt_chars)))
+        start = text.find("\n", start) + 1  # begin and end on line boundaries
+        passage = text[start : start + cfg.prompt_chars]
+        passage = passage[: passage.rfind("\n") + 1] if "\n" in passage[1:] else passage
+        passage = passage.lstrip("\n")
+        out.append(passage.rstrip() + SUMMARY_CUE if summary else passage)
+    return out
+
+
+def _gsm(cfg: DictConfig) -> list[str]:
+    from specfit.training.gsm import HELDOUT_TEMPLATES, format_prompt, generate_problems
+
+    per_template = math.ceil(cfg.num_prompts / len(HELDOUT_TEMPLATES))
+    problems = generate_problems(_data(cfg), HELDOUT_TEMPLATES, per_template, seed=cfg.seed)
+    order = np.random.default_rng(cfg.seed).permutation(len(problems))
+    return [format_prompt(problems[i]) for i in order[: cfg.num_prompts]]
+
+
+def _jsonl(cfg: DictConfig) -> list[str | list[int]]:
+    if not cfg.path:
+        raise ConfigError("workload.kind=jsonl needs workload.path=FILE")
+    path = Path(cfg.path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"workload.path={cfg.path}: no such file")
+    prompts: list[str | list[int]] = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"workload.path={cfg.path} line {n}: not JSON ({exc.msg})") from exc
+        if "prompt_ids" in row:
+            prompts.append([int(t) for t in row["prompt_ids"]])
+        elif "prompt" in row:
+            prompts.append(str(row["prompt"]))
+        else:
+            raise ConfigError(f"workload.path={cfg.path} line {n}: needs a 'prompt' or 'prompt_ids' field")
+    return prompts
+
+
+HF_DATASETS = {
+    "cnn_dailymail": ("3.0.0", lambda row: row["article"] + "\nTL;DR:"),
+    "gsm8k": ("main", lambda row: f"Question: {row['question']}\nAnswer:"),
+}
+
+
+def _hf_dataset(cfg: DictConfig) -> list[str]:
+    name = cfg.dataset
+    if name not in HF_DATASETS:
+        raise ConfigError(f"workload.dataset={name!r}: known datasets are {', '.join(HF_DATASETS)}")
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"workload.dataset={name} needs the `datasets` package (pip install datasets) "
+                          "and a local copy of the dataset") from None
+    config, fmt = HF_DATASETS[name]
+    try:
+        data = datasets.load_dataset(name, config, split=cfg.split)
+    except Exception as exc:  # offline or missing: datasets raises many types
+        raise ConfigError(f"workload.dataset={name}: not available locally ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}); download it where a hub is reachable "
+                          "and set HF_DATASETS_OFFLINE=1") from exc
+    rows = data.shuffle(seed=cfg.seed).select(range(min(cfg.num_prompts, len(data))))
+    return [fmt(row) for row in rows]

@@ -95,3 +95,27 @@ def test_console_script_cfg_job_and_plugins():
     assert "name: none" in cfg.stdout and "builtin: tiny-qwen3-moe" in cfg.stdout
     listed = json.loads(subprocess.run([exe, "plugins", "--json"], capture_output=True, text=True, check=True).stdout)
     assert {e["name"] for e in listed if e["kind"] == "cache"} >= {"lru", "none", "full"}
+
+
+def test_bench_runs_methods_side_by_side(tmp_path, capsys):
+    main(["bench", "model=tiny", "methods=[ar,eagle3_nocache,specfit]", "drafter.top_k=3", "drafter.depth=2",
+          "drafter.total_tokens=6", "prompt_ids=[5,17,99]", "max_new_tokens=6", "cache.copy=torch",
+          "cost_model.c0=0.001", "cost_model.c_tok=0.0001", "cost_model.c_miss=0.0004", "cost_model.c_hit=0.00001",
+          f"hydra.run.dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert "output tokens identical across methods: yes" in out and "vs eagle3_nc" in out
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in rows] == ["ar", "eagle3_nocache", "specfit"]
+    assert rows[2]["selector"] == "specfit" and "predictor_recall" in rows[2]
+
+
+def test_unknown_method_is_named(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["bench", "model=tiny", "methods=[warp_drive]", "prompt_ids=[1]", f"hydra.run.dir={tmp_path}"])
+
+
+def test_bench_typo_is_one_line(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "model=tiny", "drafter.topk=3"])
+    err = capsys.readouterr().err.strip()
+    assert "topk" in err and "\n" not in err
