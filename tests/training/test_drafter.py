@@ -1,0 +1,243 @@
+"""The EAGLE-3 head trainer: draft vocabulary, the training-time-test unroll against the drafter,
+loss, resume, the public layout, and acceptance against a random head."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import ARCHITECTURES, tiny_model
+from safetensors.torch import load_file
+
+from specfit import Engine
+from specfit.plugins.drafters.eagle3.checkpoint import head_config_for, load_head, random_head
+from specfit.plugins.drafters.eagle3.drafter import Eagle3Drafter
+from specfit.plugins.drafters.eagle3.head import KVBuffer
+from specfit.training.common import default_data_dir
+from specfit.training.draft_vocab import build_draft_vocab, token_counts
+from specfit.training.drafter import (
+    TrainDrafterConfig, acceptance_length, default_aux_layers, target_batch, train_drafter, ttt_unroll,
+)
+
+VOCAB = 256
+
+
+def _log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def _cycle(seed: int) -> np.ndarray:
+    """A permutation of the vocabulary that is one cycle (no fixed points: no token repeats itself)."""
+    order = np.random.default_rng(seed).permutation(VOCAB)
+    nxt = np.empty(VOCAB, dtype=np.int64)
+    nxt[order] = np.roll(order, -1)
+    return nxt
+
+
+def _chains(nxt: np.ndarray, n: int, length: int, seed: int) -> np.ndarray:
+    """``n`` rows following ``nxt`` from random starts: a corpus with learnable structure."""
+    rng = np.random.default_rng(seed)
+    rows = np.empty((n, length), dtype=np.int64)
+    rows[:, 0] = rng.integers(0, VOCAB, n)
+    for j in range(1, length):
+        rows[:, j] = nxt[rows[:, j - 1]]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def patterned(tmp_path_factory):
+    """A tiny Qwen3-MoE target trained briefly to follow a fixed token cycle, and a corpus of it."""
+    root = tmp_path_factory.mktemp("patterned")
+    nxt = _cycle(0)
+    torch.manual_seed(0)
+    model = tiny_model("tiny-qwen3-moe")
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(40):
+        x = torch.from_numpy(_chains(nxt, 16, 33, seed=100 + step))
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval().save_pretrained(root / "target")
+    np.save(root / "train.npy", _chains(nxt, 200, 64, seed=1))
+    return {"root": root, "target": root / "target", "train": root / "train.npy", "next": nxt}
+
+
+def _config(p: dict, out: Path, **kw) -> TrainDrafterConfig:
+    args = dict(target_dir=str(p["target"]), out_dir=str(out), include_builtin_data=False,
+                train_files=[str(p["train"])], seq_len=32, batch_size=8, max_steps=50, lr=1e-2,
+                warmup_steps=5, log_every=10, eval_windows=0, checkpoint_every=25, progress=False)
+    return TrainDrafterConfig(**{**args, **kw})
+
+
+@pytest.fixture(scope="module")
+def trained_head(patterned):
+    out = patterned["root"] / "head"
+    train_drafter(_config(patterned, out, eval_files=[str(patterned["train"])], eval_windows=8, eval_every=50))
+    return out
+
+
+# ------------------------------------------------------------------------------ draft vocabulary
+
+
+def test_draft_vocab_keeps_the_most_frequent_tokens_and_the_special_ones():
+    counts = np.array([0, 5, 9, 1, 9, 0, 7, 2])
+    vocab = build_draft_vocab(counts, 4, always_include=[5])
+    # 5 is forced in; then by frequency 2, 4 (tie broken to the lower id), 6
+    assert vocab.draft_ids.tolist() == [2, 4, 5, 6]
+    assert (np.arange(4) + vocab.d2t).tolist() == vocab.draft_ids.tolist()  # target = draft + d2t[draft]
+    assert vocab.d2t.tolist() == [2, 3, 3, 3]
+    assert vocab.t2d.tolist() == [False, False, True, False, True, True, True, False]
+    assert vocab.coverage(counts) == pytest.approx(25 / 33)
+    full = build_draft_vocab(counts, 8)
+    assert full.full and not full.d2t.any() and full.t2d.all()
+    assert build_draft_vocab(counts, 100).size == 8  # larger than the target vocabulary: all of it
+    unseen = build_draft_vocab(np.array([0, 0, 3, 0]), 3)
+    assert unseen.draft_ids.tolist() == [0, 1, 2]  # places left over go to the lowest unseen ids
+    with pytest.raises(ValueError, match="outside the target vocabulary"):
+        token_counts(np.array([1, 9]), 8)
+
+
+# ------------------------------------------------------------------------------ the TTT unroll
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_ttt_unroll_equals_what_the_drafter_computes_along_a_chain(arch):
+    """Step i at position t == the drafter's depth-(i+1) pair after committing x[0..t]:
+    KV cache of the committed pairs, position committed-1+i, mask = committed + ancestors + self."""
+    model = tiny_model(arch)
+    cfg = head_config_for(model)
+    head = random_head(cfg, seed=1, std=0.1)
+    head.set_target_embedding(model.get_input_embeddings())
+    length, steps = 14, 4
+    x = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(0))
+    tb = target_batch(model, x, default_aux_layers(model.config.num_hidden_layers), None)
+    outs = ttt_unroll(head, tb.features, x, steps)
+    assert [o.shape[1] for o in outs] == [length - 1 - i for i in range(steps)]
+    worst = 0.0
+    with torch.no_grad():
+        for b in range(2):
+            for t in range(0, length - steps, 3):
+                kv = KVBuffer(cfg.num_key_value_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
+                prev = head(head.project(tb.features[b, : t + 1]), x[b, 1 : t + 2], torch.arange(t + 1), kv)[-1]
+                committed, ancestors = kv.length, []
+                worst = max(worst, float((prev - outs[0][b, t]).abs().max()))
+                for i in range(1, steps):
+                    mask = torch.zeros(1, kv.length + 1, dtype=torch.bool)
+                    mask[0, :committed] = True
+                    mask[0, ancestors] = True
+                    mask[0, -1] = True
+                    ancestors.append(kv.length)
+                    prev = head(prev[None], x[b, t + 1 + i][None], torch.tensor([committed - 1 + i]), kv, mask)[0]
+                    worst = max(worst, float((prev - outs[i][b, t]).abs().max()))
+    assert worst < 1e-4
+
+
+# ------------------------------------------------------------------------------ training
+
+
+def test_training_lowers_the_loss_and_raises_accuracy(trained_head):
+    log = _log(trained_head)
+    steps = [r for r in log if "loss" in r]
+    assert len(steps) == 5 and len(steps[0]["acc"]) == 7 and len(steps[0]["step_loss"]) == 7
+    assert steps[-1]["loss"] < 0.7 * steps[0]["loss"]
+    assert steps[-1]["acc"][0] > steps[0]["acc"][0] + 0.3
+    evals = [r for r in log if "eval_loss" in r]
+    assert evals and len(evals[-1]["eval_acc"]) == 7
+    done = log[-1]
+    assert done["event"] == "done" and done["tokens"] == 50 * 8 * 32
+
+
+def test_saved_head_is_in_the_public_layout_and_drives_the_drafter_losslessly(patterned, trained_head):
+    config = json.loads((trained_head / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == VOCAB
+    layers = default_aux_layers(4)
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in layers]
+    state = load_file(str(trained_head / "model.safetensors"))
+    assert "embed_tokens.weight" not in state and not state["d2t"].any() and state["t2d"].all()
+    head = load_head(trained_head)
+    assert head.cfg.aux_layer_ids == [i - 1 for i in layers]
+
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(str(patterned["target"])).eval()
+    prompt = _chains(patterned["next"], 1, 10, seed=7)[0].tolist()
+    with torch.no_grad():
+        ref = target.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)[0]
+    drafter = Eagle3Drafter(path=str(trained_head), top_k=4, depth=5, total_tokens=12)
+    out = Engine(target, drafter=drafter, device="cpu").generate(prompt, max_new_tokens=24)
+    assert out.token_ids == ref[len(prompt):].tolist()
+    assert out.stats["spec_decode_acceptance_length"] > 1.5  # drafts were accepted, not just verified
+
+
+def test_trained_head_beats_a_random_head(patterned, trained_head):
+    prompts = [row.tolist() for row in _chains(patterned["next"], 3, 10, seed=11)]
+    kw = dict(max_new_tokens=24, top_k=4, depth=5, total_tokens=16)
+    trained = acceptance_length(patterned["target"], trained_head, prompts, **kw)
+    random = acceptance_length(patterned["target"], None, prompts, **kw)
+    assert trained["prompts"] == 3 and len(trained["per_prompt"]) == 3
+    assert trained["spec_decode_acceptance_length"] > random["spec_decode_acceptance_length"] + 1.0
+
+
+def test_resume_continues_exactly_with_a_reduced_draft_vocabulary(patterned, tmp_path):
+    kw = dict(max_steps=6, warmup_steps=2, log_every=1, checkpoint_every=3, draft_vocab_size=48,
+              train_files=[str(patterned["train"])])
+    straight = train_drafter(_config(patterned, tmp_path / "a", **kw))
+    part = train_drafter(_config(patterned, tmp_path / "b", stop_after_steps=3, **kw))
+    assert not (part / "model.safetensors").exists() and (part / "checkpoint" / "state.pt").exists()
+    resumed = train_drafter(_config(patterned, tmp_path / "b", resume=True, **kw))
+    a, b = load_file(str(straight / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    losses = lambda out: {r["step"]: r["loss"] for r in _log(out) if "loss" in r}  # noqa: E731
+    assert losses(resumed) == losses(straight)
+    assert any(r.get("event") == "resume" and r["step"] == 3 for r in _log(resumed))
+    # the draft vocabulary: the 48 most frequent training tokens, in the public d2t / t2d layout
+    expected = build_draft_vocab(token_counts(np.load(patterned["train"]).ravel(), VOCAB), 48)
+    assert a["d2t"].tolist() == expected.d2t.tolist() and a["t2d"].tolist() == expected.t2d.tolist()
+    assert load_head(straight).cfg.draft_vocab_size == 48
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        train_drafter(_config(patterned, tmp_path / "b", resume=True, **{**kw, "draft_vocab_size": 64}))
+
+
+def test_token_budget_and_text_files_with_the_target_tokenizer(tmp_path):
+    """Text data goes through the target's tokenizer; ``max_tokens`` sets the step count."""
+    from specfit.training.tokenizer import build_tokenizer_object, wrap_tokenizer
+
+    text = "".join(f"Question: what is {a} plus {a + 1}? Answer: {2 * a + 1}\n" for a in range(40))
+    tok = wrap_tokenizer(build_tokenizer_object([text], vocab_size=300, min_frequency=1))
+    model = tiny_model("tiny-olmoe", vocab_size=len(tok))
+    model.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    (tmp_path / "train.txt").write_text(text * 3)
+    cfg = TrainDrafterConfig(target_dir=str(tmp_path / "target"), out_dir=str(tmp_path / "head"),
+                             include_builtin_data=False, train_files=[str(tmp_path / "train.txt")],
+                             eval_files=[str(tmp_path / "train.txt")], eval_windows=2, eval_every=100,
+                             seq_len=16, batch_size=4, max_tokens=200, ttt_steps=3, warmup_steps=1,
+                             draft_vocab_size=64, progress=False)
+    out = train_drafter(cfg)
+    summary = json.loads((out / "training_summary.json").read_text())
+    assert summary["steps"] == 4 and len(summary["eval_acc"]) == 3  # ceil(200 / (4 * 16))
+    head = load_head(out)
+    eos = tok.eos_token_id
+    assert head.t2d[eos] and eos in (torch.arange(64) + head.d2t).tolist()  # EOS is always draftable
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (default_data_dir() / "corpus").is_dir(), reason="needs ../shared/data")
+def test_builtin_corpus_and_heldout_eval(tmp_path):  # pragma: no cover - data-dependent
+    from specfit.training.tokenizer import build_tokenizer_object, wrap_tokenizer
+
+    tok = wrap_tokenizer(build_tokenizer_object(["the cat sat on the mat. And the LORD said 12 + 3 = 15\n"],
+                                                vocab_size=300, min_frequency=1))
+    model = tiny_model("tiny-qwen3-moe", vocab_size=len(tok))
+    model.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    cfg = TrainDrafterConfig(target_dir=str(tmp_path / "target"), out_dir=str(tmp_path / "head"),
+                             gsm_per_template=2, seq_len=32, batch_size=4, max_steps=2, ttt_steps=2,
+                             eval_windows=4, eval_prompts=2, eval_max_new_tokens=8, progress=False)
+    out = train_drafter(cfg)
+    summary = json.loads((out / "training_summary.json").read_text())
+    assert summary["acceptance_length"] >= 1.0 and len(summary["eval_acc"]) == 2
