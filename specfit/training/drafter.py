@@ -519,7 +519,7 @@ def train_drafter(cfg: TrainDrafterConfig) -> Path:
     import torch
 
     from specfit.plugins.drafters.eagle3.checkpoint import save_head
-    from specfit.training.target import WindowSampler, _rng_state, _set_rng_state, save_checkpoint
+    from specfit.training.target import WindowSampler, _set_rng_state, _truncate_log, save_checkpoint
 
     cfg = cfg.resolved()
     if cfg.ttt_steps < 1:
@@ -570,6 +570,7 @@ def train_drafter(cfg: TrainDrafterConfig) -> Path:
         optimizer.load_state_dict(state["optimizer"])
         step, tokens_seen, elapsed_before = state["step"], state["tokens_seen"], state["elapsed"]
         _set_rng_state(state["rng"])
+        _truncate_log(log, step)  # records after the checkpoint belong to a run that was lost
         log.write(event="resume", step=step, tokens=tokens_seen)
     else:
         log.write(event="start", head_parameters=sum(p.numel() for p in head.parameters()),

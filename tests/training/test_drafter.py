@@ -188,6 +188,8 @@ def test_resume_continues_exactly_with_a_reduced_draft_vocabulary(patterned, tmp
     straight = train_drafter(_config(patterned, tmp_path / "a", **kw))
     part = train_drafter(_config(patterned, tmp_path / "b", stop_after_steps=3, **kw))
     assert not (part / "model.safetensors").exists() and (part / "checkpoint" / "state.pt").exists()
+    with (part / "train_log.jsonl").open("a") as fh:  # a step logged after the checkpoint, then lost
+        fh.write(json.dumps({"step": 5, "loss": 99.0}) + "\n")
     resumed = train_drafter(_config(patterned, tmp_path / "b", resume=True, **kw))
     a, b = load_file(str(straight / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
