@@ -40,6 +40,7 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None) -> 
         max_new_tokens=cfg.max_new_tokens,
         stop_token_ids=list(cfg.stop_token_ids),
         ignore_eos=cfg.ignore_eos,
+        draft_head=cfg.model.draft_head,
         info={"model": loaded.source},
         **parts,
     )

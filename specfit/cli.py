@@ -21,12 +21,21 @@ commands:
   generate   decode a prompt:  specfit generate model.path=DIR prompt="..." cache=lru cache.capacity=16
   calibrate  measure the cost model's constants for this model, cache, copy engine and machine
   plugins    list registered plugins (--json for machine-readable output)
+  train-tokenizer / train-target / train-drafter
+             train a BPE tokenizer, a Qwen3-MoE target, an EAGLE-3 head (for any supported MoE target)
 
 Overrides use Hydra syntax; `specfit <command> --cfg job` shows every key. Docs: docs/user-guide.md
 """
 
 # command -> (primary config, job)
 HYDRA_COMMANDS: dict[str, str] = {"generate": "config", "demo": "demo", "bench": "bench", "calibrate": "calibrate"}
+
+# command -> (module, config dataclass, function): trainers, configured by their dataclass alone
+TRAIN_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "train-tokenizer": ("specfit.training.tokenizer", "TrainTokenizerConfig", "train_tokenizer"),
+    "train-target": ("specfit.training.target", "TrainTargetConfig", "train_target"),
+    "train-drafter": ("specfit.training.drafter", "TrainDrafterConfig", "train_drafter"),
+}
 
 # Hydra flags that take a value: skipped when pre-validating overrides.
 _FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
@@ -73,6 +82,24 @@ def _job(command: str) -> Callable:
     return job
 
 
+def _trainer(command: str) -> Callable:
+    """Store the trainer's config dataclass as a Hydra config and return the job that runs it."""
+    import importlib
+
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    module_name, config_class, function = TRAIN_COMMANDS[command]
+    module = importlib.import_module(module_name)
+    ConfigStore.instance().store(name=command, node=getattr(module, config_class))
+
+    def job(cfg, output_dir: Path, overrides: list[str]) -> None:
+        result = getattr(module, function)(OmegaConf.to_object(cfg))
+        print(f"{command}: wrote {result}")
+
+    return job
+
+
 def _run_hydra(command: str, args: list[str]) -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
@@ -81,12 +108,16 @@ def _run_hydra(command: str, args: list[str]) -> None:
     from specfit.registry import get_plugins
 
     get_plugins()  # plugin configs must be in Hydra's ConfigStore before it composes
-    config_name = HYDRA_COMMANDS[command]
+    if command in TRAIN_COMMANDS:
+        job = _trainer(command)
+        config_name = command
+    else:
+        job = _job(command)
+        config_name = HYDRA_COMMANDS[command]
     overrides = plain_overrides(args)
     is_query = any(a in ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i") for a in args)
     if not is_query and not any(a in ("-m", "--multirun") for a in args):
         compose(overrides, config_name=config_name)  # one clear line for a bad key, before Hydra's verbose report
-    job = _job(command)
 
     @hydra.main(version_base="1.3", config_path="pkg://specfit.conf", config_name=config_name)
     def app(cfg) -> None:
@@ -111,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             from specfit.commands.plugins import run
 
             run(as_json="--json" in rest)
-        elif command in HYDRA_COMMANDS:
+        elif command in HYDRA_COMMANDS or command in TRAIN_COMMANDS:
             _run_hydra(command, rest)
         else:
             _fail(f"unknown command {command!r}\n{USAGE}")

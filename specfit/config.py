@@ -91,6 +91,7 @@ class ModelConfig:
     device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
     attn_implementation: str = "sdpa"  # sdpa | eager
     seed: int = 0  # weights of built-in models
+    draft_head: str | None = None  # an EAGLE-3 head trained for this target: drafter=eagle3 uses it by default
 
 
 @dataclass
@@ -147,9 +148,22 @@ class SpecfitConfig:
     baseline: str = "ar"  # speedups are relative to this method (and to eagle3_nocache when present)
 
 
+def asset_path(relative: str) -> str:
+    """Absolute path of a file shipped inside the package (``${specfit.asset:demo/target}``)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent / "assets" / relative
+    if not path.exists():
+        raise ConfigError(f"shipped asset {relative!r} is missing from this installation ({path})")
+    return str(path)
+
+
 def store_schemas(cs: Any) -> None:
-    """Put the schema nodes into Hydra's ConfigStore (idempotent)."""
+    """Put the schema nodes into Hydra's ConfigStore and register resolvers (idempotent)."""
+    from omegaconf import OmegaConf
+
     cs.store(name="specfit_schema", node=SpecfitConfig)
+    OmegaConf.register_new_resolver("specfit.asset", asset_path, replace=True)
 
 
 def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictConfig:

@@ -119,3 +119,13 @@ def test_bench_typo_is_one_line(capsys):
         main(["bench", "model=tiny", "drafter.topk=3"])
     err = capsys.readouterr().err.strip()
     assert "topk" in err and "\n" not in err
+
+
+@pytest.mark.parametrize("command", ["train-tokenizer", "train-target", "train-drafter"])
+def test_trainer_commands_are_configured_by_their_dataclass(command):
+    exe = Path(sys.executable).with_name("specfit")
+    shown = subprocess.run([exe, command, "--cfg", "job"], capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    assert "out_dir:" in shown.stdout
+    bad = subprocess.run([exe, command, "no_such_key=1"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "no_such_key" in bad.stderr and bad.stderr.count("\n") == 1

@@ -82,6 +82,7 @@ class Engine:
         max_new_tokens: int = 64,
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        draft_head: str | None = None,
         info: dict[str, Any] | None = None,
     ) -> None:
         from specfit.plugins.caches.lru import LRUCache
@@ -95,6 +96,7 @@ class Engine:
         self.model = model
         self.spec = self.runtime.spec
         self.target = Target(model, self.runtime)
+        self.target.draft_head = draft_head  # the model's own EAGLE-3 head, for drafters without one
         self.tokenizer = tokenizer
         self.drafter = drafter if drafter is not None else NoDrafter()
         self.selector = selector if selector is not None else VerifyAllSelector()

@@ -25,7 +25,9 @@ from specfit.plugins.drafters.eagle3.head import Eagle3Head, KVBuffer
 @dataclass
 class Eagle3DrafterConfig(DrafterConfig):
     name: str = "eagle3"
-    path: str | None = None  # head directory (public EAGLE-3 layout); null: a random head (seeded)
+    # head directory (public EAGLE-3 layout); null: the model's own head (model.draft_head), else a
+    # random head (seeded); "random" forces a random head
+    path: str | None = None
     top_k: int = 10
     depth: int = 7
     total_tokens: int = 60
@@ -56,7 +58,7 @@ class Eagle3Drafter:
             if value < 1:
                 raise ConfigError(f"drafter.{key}={value} must be >= 1")
         self.path, self.top_k, self.depth, self.total_tokens, self.seed = path, top_k, depth, total_tokens, seed
-        self.head = head if head is not None else (load_head(path) if path else None)
+        self.head = head if head is not None else (load_head(path) if path and path != "random" else None)
 
     @classmethod
     def from_config(cls, cfg: Eagle3DrafterConfig) -> Eagle3Drafter:
@@ -67,6 +69,8 @@ class Eagle3Drafter:
 
     def bind(self, target: Any) -> None:
         model = target.model
+        if self.head is None and self.path is None and getattr(target, "draft_head", None):
+            self.head = load_head(target.draft_head)
         if self.head is None:
             self.head = random_head(head_config_for(model), seed=self.seed)
         cfg, tc = self.head.cfg, model.config
