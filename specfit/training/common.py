@@ -9,10 +9,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
+
+import numpy as np
 
 #: The repository root (``specfit/training/common.py`` -> two levels up). Used only to find the
 #: default data directory ``<repo>/../shared/data``; an installed wheel has no such sibling and
@@ -111,3 +114,42 @@ def write_json(path: str | os.PathLike[str], obj: Any) -> None:
 def join_documents(texts: Iterable[str], eos: str) -> str:
     """Concatenate documents with the end-of-text separator after each one."""
     return "".join(t + eos for t in texts)
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, numpy and torch RNG states, for exact resumption from a checkpoint."""
+    import torch
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def truncate_log(log: JsonlLog, step: int) -> None:
+    """Drop log records of steps after ``step`` (written after the last checkpoint, then lost)."""
+    rows = [r for r in log.read() if r.get("step", 0) <= step]
+    tmp = log.path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    os.replace(tmp, log.path)
+
+
+def read_text_files(paths: Sequence[str]) -> list[tuple[str, str]]:
+    """(name, text) documents from .txt files and .jsonl files with a "text" field per line."""
+    docs: list[tuple[str, str]] = []
+    for p in paths:
+        path = Path(p)
+        if path.suffix == ".jsonl":
+            with path.open(encoding="utf-8") as fh:
+                for i, line in enumerate(fh):
+                    if line.strip():
+                        docs.append((f"{path.name}:{i}", json.loads(line)["text"]))
+        else:
+            docs.append((path.name, path.read_text(encoding="utf-8", errors="replace")))
+    return docs

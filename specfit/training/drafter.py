@@ -356,7 +356,8 @@ def load_train_tokens(cfg: TrainDrafterConfig, tokenizer: Any | None, vocab_size
 def load_eval_windows(cfg: TrainDrafterConfig, tokenizer: Any | None) -> np.ndarray | None:
     """Held-out windows of ``seq_len`` tokens: ``eval_files`` if given, else the built-in held-out
     documents (prose and GSM, half each); None when there is nothing held out or eval is off."""
-    from specfit.training.target import _read_text_files, eval_windows, heldout_documents, tokenize_documents
+    from specfit.training.common import read_text_files
+    from specfit.training.target import eval_windows, heldout_documents, tokenize_documents
 
     if cfg.eval_windows <= 0:
         return None
@@ -365,7 +366,7 @@ def load_eval_windows(cfg: TrainDrafterConfig, tokenizer: Any | None) -> np.ndar
         docs: list[np.ndarray] = []
         text = _text_files(cfg.eval_files)
         if text:
-            arrays, _ = tokenize_documents(tokenizer, _read_text_files(text), "eval")
+            arrays, _ = tokenize_documents(tokenizer, read_text_files(text), "eval")
             docs += [a.astype(np.int64) for a in arrays]
         for path in cfg.eval_files:
             if path.endswith(".npy"):
@@ -519,7 +520,8 @@ def train_drafter(cfg: TrainDrafterConfig) -> Path:
     import torch
 
     from specfit.plugins.drafters.eagle3.checkpoint import save_head
-    from specfit.training.target import WindowSampler, _set_rng_state, _truncate_log, save_checkpoint
+    from specfit.training.common import set_rng_state, truncate_log
+    from specfit.training.target import WindowSampler, save_checkpoint
 
     cfg = cfg.resolved()
     if cfg.ttt_steps < 1:
@@ -569,8 +571,8 @@ def train_drafter(cfg: TrainDrafterConfig) -> Path:
         head.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step, tokens_seen, elapsed_before = state["step"], state["tokens_seen"], state["elapsed"]
-        _set_rng_state(state["rng"])
-        _truncate_log(log, step)  # records after the checkpoint belong to a run that was lost
+        set_rng_state(state["rng"])
+        truncate_log(log, step)  # records after the checkpoint belong to a run that was lost
         log.write(event="resume", step=step, tokens=tokens_seen)
     else:
         log.write(event="start", head_parameters=sum(p.numel() for p in head.parameters()),

@@ -29,7 +29,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from specfit.training.common import (
-    JsonlLog, default_data_dir, progress_bar, warmup_cosine_lr, write_json,
+    JsonlLog, default_data_dir, progress_bar, read_text_files, rng_state, set_rng_state, truncate_log,
+    warmup_cosine_lr, write_json,
 )
 
 #: Fields of :class:`TrainTargetConfig` that define the model; a resumed run must match them.
@@ -131,19 +132,6 @@ class TokenData:
         return out
 
 
-def _read_text_files(paths: Sequence[str]) -> list[tuple[str, str]]:
-    docs: list[tuple[str, str]] = []
-    for p in paths:
-        path = Path(p)
-        if path.suffix == ".jsonl":
-            with path.open(encoding="utf-8") as fh:
-                for i, line in enumerate(fh):
-                    if line.strip():
-                        docs.append((f"{path.name}:{i}", json.loads(line)["text"]))
-        else:
-            docs.append((path.name, path.read_text(encoding="utf-8", errors="replace")))
-    return docs
-
 
 def tokenize_documents(tokenizer: Any, docs: Sequence[tuple[str, str]], kind: str,
                        batch: int = 256) -> tuple[list[np.ndarray], list[str]]:
@@ -212,7 +200,7 @@ def prepare_train_data(cfg: TrainTargetConfig, tokenizer: Any, cache_dir: Path) 
             kinds += k
         gsm_report = {"skipped": report.skipped, "generated": report.generated}
     if cfg.train_files:
-        a, k = tokenize_documents(tokenizer, _read_text_files(cfg.train_files), "file")
+        a, k = tokenize_documents(tokenizer, read_text_files(cfg.train_files), "file")
         arrays += a
         kinds += k
     if not arrays:
@@ -358,21 +346,6 @@ def _optimizer(model: Any, cfg: TrainTargetConfig):
     )
 
 
-def _rng_state() -> dict[str, Any]:
-    import torch
-
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state()}
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    import torch
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-
-
 def save_checkpoint(path: Path, *, model: Any, optimizer: Any, step: int, tokens_seen: int,
                     elapsed: float, cfg: TrainTargetConfig, position: tuple[int, int]) -> None:
     """Write ``path/state.pt`` atomically (temp file, then rename): a kill mid-write keeps the old one."""
@@ -381,7 +354,7 @@ def save_checkpoint(path: Path, *, model: Any, optimizer: Any, step: int, tokens
     path.mkdir(parents=True, exist_ok=True)
     state = {
         "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-        "tokens_seen": tokens_seen, "elapsed": elapsed, "rng": _rng_state(),
+        "tokens_seen": tokens_seen, "elapsed": elapsed, "rng": rng_state(),
         "config": asdict(cfg), "data_position": {"epoch": position[0], "window": position[1]},
         "lr_schedule": {"kind": "warmup_cosine", "warmup_steps": cfg.warmup_steps,
                         "total_steps": cfg.max_steps, "lr": cfg.lr, "min_lr_ratio": cfg.min_lr_ratio},
@@ -390,13 +363,6 @@ def save_checkpoint(path: Path, *, model: Any, optimizer: Any, step: int, tokens
     torch.save(state, tmp)
     os.replace(tmp, path / "state.pt")
 
-
-def _truncate_log(log: JsonlLog, step: int) -> None:
-    """Drop log records of steps after ``step`` (written after the last checkpoint, then lost)."""
-    rows = [r for r in log.read() if r.get("step", 0) <= step]
-    tmp = log.path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    os.replace(tmp, log.path)
 
 
 def _check_resume_config(saved: dict[str, Any], cfg: TrainTargetConfig) -> None:
@@ -479,7 +445,7 @@ def train_target(cfg: TrainTargetConfig) -> Path:
     if cfg.resume and (ckpt_dir / "state.pt").exists():
         state = torch.load(ckpt_dir / "state.pt", map_location="cpu", weights_only=False)
         _check_resume_config(state["config"], cfg)
-        _truncate_log(log, state["step"])
+        truncate_log(log, state["step"])
     elif not cfg.resume and (out / "train_log.jsonl").exists():
         (out / "train_log.jsonl").unlink()  # a fresh run starts a fresh log
     write_json(out / "train_config.json", asdict(cfg))
@@ -512,7 +478,7 @@ def train_target(cfg: TrainTargetConfig) -> Path:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step, tokens_seen, elapsed_before = state["step"], state["tokens_seen"], state["elapsed"]
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
         log.write(event="resume", step=step, tokens=tokens_seen)
     else:
         log.write(event="start", parameters=count_parameters(model), train_tokens=int(len(data.tokens)),
