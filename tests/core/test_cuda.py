@@ -1,0 +1,32 @@
+"""The GPU path: pinned host store, copy stream, Triton zero-copy kernel (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ARCHITECTURES, tiny_model
+
+from specfit import Engine
+from specfit.plugins.caches.full import FullCache
+from specfit.plugins.caches.lru import LRUCache
+from specfit.plugins.caches.none import NoCache
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+PROMPT = [5, 17, 99, 3, 42, 8, 120, 77]
+CACHES = {"lru": lambda: LRUCache(capacity=3), "none": lambda: NoCache(), "full": lambda: FullCache()}
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("cache", list(CACHES))
+@pytest.mark.parametrize("copy", ["torch", "triton"])
+def test_greedy_on_cuda_matches_hf_generate_on_cuda(arch, cache, copy):
+    reference_model = tiny_model(arch).to("cuda")
+    with torch.no_grad():
+        ref = reference_model.generate(torch.tensor([PROMPT], device="cuda"), max_new_tokens=24, min_new_tokens=24,
+                                       do_sample=False)[0, len(PROMPT):].tolist()
+    engine = Engine(tiny_model(arch), cache=CACHES[cache](), copy=copy, device="cuda")
+    assert engine.runtime.stores[0].is_pinned()
+    assert engine.runtime.slots[0].is_cuda
+    out = engine.generate(PROMPT, max_new_tokens=24)
+    assert out.token_ids == ref
