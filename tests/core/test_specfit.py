@@ -21,6 +21,8 @@ from specfit.plugins.caches.none import NoCache
 from specfit.plugins.cost_models.union import UnionCostModel
 from specfit.plugins.predictors.history import HistoryPredictor
 from specfit.plugins.predictors.router_probe import RouterProbePredictor
+from specfit.plugins.selectors.greedy import GreedySelector
+from specfit.plugins.selectors.prefix import PrefixSelector
 from specfit.plugins.selectors.specfit import SpecFitSelector
 
 PROMPT = [5, 17, 99, 3, 42, 8, 120, 77]
@@ -35,10 +37,11 @@ def reference(n=40):
 @pytest.mark.parametrize("cache", [lambda: LRUCache(capacity=4), lambda: NoCache(), lambda: FullCache()], ids=["lru", "none", "full"])
 @pytest.mark.parametrize("predictor", [HistoryPredictor, RouterProbePredictor])
 @pytest.mark.parametrize("acceptance", ["path_prob", "calibrated"])
-def test_specfit_is_lossless(cache, predictor, acceptance):
+@pytest.mark.parametrize("selector", [SpecFitSelector, GreedySelector, PrefixSelector])
+def test_cost_aware_selectors_are_lossless(cache, predictor, acceptance, selector):
     ref = reference()
     engine = Engine(tiny_model(), cache=cache(), drafter=ScriptedDrafter(ref, vocab=256, branching=3, depth=4, miss=0.1),
-                    selector=SpecFitSelector(acceptance=acceptance), cost_model=UnionCostModel(constants=CONSTANTS),
+                    selector=selector(acceptance=acceptance), cost_model=UnionCostModel(constants=CONSTANTS),
                     predictor=predictor(), device="cpu")
     out = engine.generate(PROMPT, max_new_tokens=30)
     assert out.token_ids == ref[len(PROMPT):][:30]
@@ -138,3 +141,17 @@ def test_specfit_without_cost_model_is_a_clear_error():
                     predictor=HistoryPredictor(), device="cpu")
     with pytest.raises(ConfigError, match="set cost_model=union"):
         engine.generate(PROMPT, max_new_tokens=4)
+
+
+def test_exact_search_never_predicts_less_than_the_baselines():
+    """On the same problems, the exact subtree's predicted throughput bounds greedy's and the prefix's."""
+    from specfit.core.search import evaluate
+    from specfit.core.search.synthetic import paper_scale_problem
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        problem = paper_scale_problem(rng, n_nodes=40, layers=8, experts=32, top_k=4)
+        allowed = np.ones(problem.n_nodes, dtype=bool)
+        best = evaluate(problem, SpecFitSelector().choose(problem, allowed))[2]
+        for other in (GreedySelector(), PrefixSelector()):
+            assert evaluate(problem, other.choose(problem, allowed))[2] <= best * (1 + 1e-9)

@@ -1,0 +1,32 @@
+"""A marginal-ratio greedy (in the style of EcoSpec): from the root alone, add the frontier node
+with the best expected tokens per marginal second while that raises predicted throughput.
+
+Same cost model, predictors and stop rule as ``specfit``; only the search differs, so comparing
+the two measures what exactness buys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specfit.config import SelectorConfig
+from specfit.core.search import SearchProblem, greedy
+from specfit.core.selection import CostAwareSelector
+
+
+@dataclass
+class GreedyConfig(SelectorConfig):
+    name: str = "greedy"
+    acceptance: str = "path_prob"
+    early_stop: bool = True
+    draft_time: str = "measured"
+
+
+class GreedySelector(CostAwareSelector):
+    name = "greedy"
+    Config = GreedyConfig
+
+    def choose(self, problem: SearchProblem, allowed: np.ndarray) -> np.ndarray:
+        return greedy(problem, allowed)
