@@ -1,0 +1,340 @@
+"""The trace format: what a recording keeps of every position of the greedy output, on disk.
+
+A trace is a directory::
+
+    meta.json          format name and version, the model's MoESpec numbers, the drafter's limits,
+                       stop tokens, the resolved config, the calibrated cost constants (if any),
+                       and one entry per sequence (prompt) naming its file
+    seq-00000.npz      one sequence: flat arrays with offsets, no pickles
+
+Per sequence (N positions; M drafted nodes and V verified nodes over all positions; L MoE layers,
+top-k K):
+
+    prompt [P] int32, output [O] int32        the prompt and the greedy output (O = N + 1)
+    prefill_routing [P, L, K]                 experts each prompt token was routed to
+    node_offsets [N+1] int64                  position i owns nodes node_offsets[i]:node_offsets[i+1]
+    node_token, node_parent, node_depth [M]   the whole drafted tree, in creation (level) order, so
+    node_log_prob [M] float64                 local indices are the live tree's node indices; parent
+                                              is a local index (-1: the root); log q in float64 so
+                                              path sums replay bit-exactly
+    verified_offsets [N+1] int64              position i owns verified rows verified_offsets[i]:...
+    verified_node [V] int32                   the local node index of each verified row (ascending)
+    verified_argmax [V] int32                 the target's greedy token after the node
+    verified_routing [V, L, K]                the node's routed experts (a node's routing depends only
+                                              on its ancestors, so any subtree holding it agrees)
+    root_argmax [N] int32, root_routing [N, L, K]   the same for each position's root (output[i])
+    level_offsets [N+1] int64                 position i owns levels level_offsets[i]:level_offsets[i+1]
+    level_seconds [sum levels] float64        time since the cycle started at the end of each level
+
+The verified nodes are the recording's candidate union (see :mod:`specfit.trace.record`); the other
+drafted nodes are kept so that selectors and predictors see the very tree they saw live.
+Expert ids are stored as uint8 when the model has at most 256 experts (int16 / int32 otherwise).
+The meta is written last, so an interrupted recording leaves no loadable trace.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import zipfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specfit.errors import ConfigError
+
+FORMAT = "specfit-trace"
+VERSION = 1
+META_FILE = "meta.json"
+
+# SelectionContext.extra key under which a replay hands selectors the nodes the target will accept
+# (tree node indices, root first excluded): only the oracle selector reads it.
+ACCEPTED_KEY = "trace_accepted"
+
+_ARRAYS = ("prompt", "output", "prefill_routing", "node_offsets", "node_token", "node_parent", "node_depth",
+           "node_log_prob", "verified_offsets", "verified_node", "verified_argmax", "verified_routing", "root_argmax",
+           "root_routing", "level_offsets", "level_seconds")
+
+
+class TraceError(ConfigError):
+    """A trace directory is missing, incomplete, corrupt, or written by another format version."""
+
+
+def expert_dtype(num_experts: int) -> np.dtype:
+    """The smallest integer type that holds every expert id (routing is most of a trace's bytes)."""
+    if num_experts <= 256:
+        return np.dtype(np.uint8)
+    if num_experts <= 32767:
+        return np.dtype(np.int16)
+    return np.dtype(np.int32)
+
+
+@dataclass
+class TracePosition:
+    """One position of the greedy output: the drafted tree after its root and what the target said
+    about its verified nodes (array views into the sequence)."""
+
+    root: int  # the root token (the last committed token)
+    tokens: np.ndarray  # [n] int32, every drafted node, in level order
+    parents: np.ndarray  # [n] int32, local index of the parent, -1 for the root
+    depths: np.ndarray  # [n] int16, 1-based
+    log_probs: np.ndarray  # [n] float64
+    verified: np.ndarray  # [v] int32, local indices of the verified nodes (ascending)
+    argmax: np.ndarray  # [v] int32, the target's greedy token after each verified node
+    routing: np.ndarray  # [v, layers, top_k]
+    root_argmax: int
+    root_routing: np.ndarray  # [layers, top_k]
+    level_seconds: np.ndarray  # [levels] float64
+
+    @property
+    def levels(self) -> int:
+        return len(self.level_seconds)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def level(self, d: int) -> range:
+        """Local indices of the nodes of level ``d`` (1-based), a contiguous range."""
+        lo, hi = np.searchsorted(self.depths, [d, d + 1])
+        return range(int(lo), int(hi))
+
+    def rows(self, nodes: Any) -> np.ndarray:
+        """Verified-row index of each node, -1 for a node that was drafted but not verified."""
+        nodes = np.asarray(nodes, dtype=np.int64)
+        if not len(self.verified):
+            return np.full(len(nodes), -1, dtype=np.int64)
+        rows = np.minimum(np.searchsorted(self.verified, nodes), len(self.verified) - 1)
+        return np.where(self.verified[rows] == nodes, rows, -1)
+
+    def accepted_path(self) -> list[int]:
+        """Nodes the target accepts if every verified node is verified: from the root, the first
+        verified child (in creation order) whose token is the argmax after its parent, as greedy
+        decoding walks a verified block."""
+        path: list[int] = []
+        parent, want = -1, self.root_argmax
+        verified = self.verified
+        while True:
+            kids = verified[self.parents[verified] == parent]
+            nxt = next((int(v) for v in kids if self.tokens[v] == want), None)
+            if nxt is None:
+                return path
+            path.append(nxt)
+            parent, want = nxt, int(self.argmax[self.rows([nxt])[0]])
+
+
+@dataclass
+class TraceSequence:
+    """One prompt's recording: flat arrays with per-position offsets (see the module doc)."""
+
+    prompt: np.ndarray
+    output: np.ndarray
+    prefill_routing: np.ndarray
+    node_offsets: np.ndarray
+    node_token: np.ndarray
+    node_parent: np.ndarray
+    node_depth: np.ndarray
+    node_log_prob: np.ndarray
+    verified_offsets: np.ndarray
+    verified_node: np.ndarray
+    verified_argmax: np.ndarray
+    verified_routing: np.ndarray
+    root_argmax: np.ndarray
+    root_routing: np.ndarray
+    level_offsets: np.ndarray
+    level_seconds: np.ndarray
+
+    def __len__(self) -> int:
+        """Positions with a recorded tree (every output token but the last is a root)."""
+        return len(self.root_argmax)
+
+    def position(self, i: int) -> TracePosition:
+        a, b = int(self.node_offsets[i]), int(self.node_offsets[i + 1])
+        va, vb = int(self.verified_offsets[i]), int(self.verified_offsets[i + 1])
+        la, lb = int(self.level_offsets[i]), int(self.level_offsets[i + 1])
+        return TracePosition(
+            root=int(self.output[i]),
+            tokens=self.node_token[a:b],
+            parents=self.node_parent[a:b],
+            depths=self.node_depth[a:b],
+            log_probs=self.node_log_prob[a:b],
+            verified=self.verified_node[va:vb],
+            argmax=self.verified_argmax[va:vb],
+            routing=self.verified_routing[va:vb],
+            root_argmax=int(self.root_argmax[i]),
+            root_routing=self.root_routing[i],
+            level_seconds=self.level_seconds[la:lb],
+        )
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name) for name in _ARRAYS}
+
+    def check(self, where: str, layers: int, top_k: int) -> None:
+        """Raise :class:`TraceError` unless the arrays fit together (catches truncated or mixed files)."""
+
+        def bad(why: str) -> TraceError:
+            return TraceError(f"{where}: corrupt trace sequence ({why}); re-record it with `specfit record`")
+
+        n = len(self.root_argmax)
+        if len(self.output) != n + 1:
+            raise bad(f"{len(self.output)} output tokens for {n} positions (expected {n + 1})")
+        for offsets, items in (("node_offsets", len(self.node_token)), ("verified_offsets", len(self.verified_node)),
+                               ("level_offsets", len(self.level_seconds))):
+            arr = getattr(self, offsets)
+            if arr.shape != (n + 1,):
+                raise bad(f"{offsets} has shape {arr.shape}, expected ({n + 1},)")
+            if arr[0] != 0 or arr[-1] != items or np.any(np.diff(arr) < 0):
+                raise bad(f"{offsets} do not cover their {items} entries")
+        m, v = len(self.node_token), len(self.verified_node)
+        for name, length in (("node_parent", m), ("node_depth", m), ("node_log_prob", m), ("verified_argmax", v)):
+            if getattr(self, name).shape != (length,):
+                raise bad(f"{name} has {len(getattr(self, name))} entries, expected {length}")
+        for name, rows in (("verified_routing", v), ("root_routing", n), ("prefill_routing", len(self.prompt))):
+            if getattr(self, name).shape != (rows, layers, top_k):
+                raise bad(f"{name} has shape {getattr(self, name).shape}, expected ({rows}, {layers}, {top_k})")
+        if n and np.any(self.root_argmax != self.output[1:]):
+            raise bad("the argmax after a root is not the next output token")
+        sizes = np.diff(self.node_offsets)
+        if v and np.any(self.verified_node >= np.repeat(sizes, np.diff(self.verified_offsets))):
+            raise bad("a verified node index lies outside its tree")
+
+
+@dataclass
+class TraceMeta:
+    """Everything about a trace besides its arrays (stored as meta.json)."""
+
+    spec: dict[str, Any]  # the MoESpec numbers (dtype as its name)
+    drafter: dict[str, Any]  # name, depth, total_tokens: the limits selectors saw (ctx.max_depth/max_nodes)
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_new_tokens: int = 0
+    config: dict[str, Any] | None = None  # the recording's resolved config
+    constants: dict[str, Any] | None = None  # calibrated CostConstants, when a cost model was configured
+    calibration: dict[str, Any] | None = None  # the calibration's report (held-out cycle-time error), if known
+    info: dict[str, Any] = field(default_factory=dict)  # engine description (cache, copy engine, ...)
+    sequences: list[dict[str, Any]] = field(default_factory=list)  # file, positions, tokens per sequence
+    created: str = ""
+    specfit_version: str = ""
+    format: str = FORMAT
+    version: int = VERSION
+
+    def moe_spec(self):  # noqa: ANN201 - a MoESpec (torch imported lazily)
+        import torch
+
+        from specfit.core.moe import MoESpec
+
+        s = dict(self.spec)
+        s["dtype"] = getattr(torch, str(s["dtype"]).removeprefix("torch."))
+        s["module_names"] = tuple(s["module_names"])
+        s["decoder_layers"] = tuple(s["decoder_layers"])
+        return MoESpec(**s)
+
+
+def spec_to_json(spec: Any) -> dict[str, Any]:
+    return {
+        "num_layers": spec.num_layers,
+        "num_experts": spec.num_experts,
+        "top_k": spec.top_k,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "dtype": str(spec.dtype).removeprefix("torch."),
+        "module_names": list(spec.module_names),
+        "decoder_layers": list(spec.decoder_layers),
+    }
+
+
+@dataclass
+class Trace:
+    """A recorded trace: meta plus one :class:`TraceSequence` per prompt, in recording order."""
+
+    meta: TraceMeta
+    sequences: list[TraceSequence]
+
+    @property
+    def positions(self) -> int:
+        return sum(len(s) for s in self.sequences)
+
+    def save(self, path: str | Path, overwrite: bool = False) -> Path:
+        """Write the trace directory; refuses to mix with an existing trace unless ``overwrite``."""
+        from specfit import __version__
+
+        path = check_destination(path, overwrite)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / META_FILE).unlink(missing_ok=True)  # first: a half-replaced trace must not load
+        for old in path.glob("seq-*.npz"):
+            old.unlink()
+        entries = []
+        for i, seq in enumerate(self.sequences):
+            name = f"seq-{i:05d}.npz"
+            np.savez(path / name, **seq.arrays())
+            entries.append({"file": name, "positions": len(seq), "prompt_tokens": int(len(seq.prompt)),
+                            "output_tokens": int(len(seq.output)), "nodes": int(len(seq.node_token))})
+        self.meta.sequences = entries
+        self.meta.created = self.meta.created or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        self.meta.specfit_version = self.meta.specfit_version or __version__
+        (path / META_FILE).write_text(json.dumps(asdict(self.meta), indent=1, default=_jsonable) + "\n")
+        return path
+
+
+def check_destination(path: str | Path, overwrite: bool = False) -> Path:
+    """The directory a trace may be written to (checked before recording, so a mistake costs nothing)."""
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise TraceError(f"trace.path={path} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()):
+        if not (path / META_FILE).is_file() and not any(path.glob("seq-*.npz")):
+            raise TraceError(f"trace.path={path} is a non-empty directory that holds no trace: choose another path")
+        if not overwrite:
+            raise TraceError(f"trace.path={path} already holds a trace (set trace.overwrite=true to replace it)")
+    return path
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read a trace directory, checking its format version and the consistency of every file."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise TraceError(f"trace.path={path}: no such directory (record one with `specfit record`)")
+    meta_path = path / META_FILE
+    if not meta_path.is_file():
+        raise TraceError(f"{path}: no {META_FILE}, so not a specfit trace (or its recording did not finish)")
+    try:
+        data = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TraceError(f"{meta_path}: corrupt ({exc})") from exc
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else None
+        raise TraceError(f"{meta_path}: not a specfit trace (format {found!r})")
+    if data.get("version") != VERSION:
+        raise TraceError(f"{path}: trace format version {data.get('version')}, this specfit reads version {VERSION}: "
+                         f"re-record it with `specfit record`")
+    try:
+        meta = TraceMeta(**{k: v for k, v in data.items() if k in TraceMeta.__dataclass_fields__})
+        layers, top_k = int(meta.spec["num_layers"]), int(meta.spec["top_k"])
+        files = [str(entry["file"]) for entry in meta.sequences]
+    except (TypeError, KeyError, ValueError) as exc:
+        raise TraceError(f"{meta_path}: corrupt ({type(exc).__name__}: {exc})") from exc
+    sequences = []
+    for name in files:
+        file = path / name
+        if not file.is_file():
+            raise TraceError(f"{path}: {name} is missing (the trace is incomplete)")
+        try:
+            with np.load(file, allow_pickle=False) as npz:
+                missing = [k for k in _ARRAYS if k not in npz.files]
+                if missing:
+                    raise TraceError(f"{file}: corrupt trace sequence (no {', '.join(missing)})")
+                arrays = {k: npz[k] for k in _ARRAYS}
+        except TraceError:
+            raise
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+            raise TraceError(f"{file}: corrupt ({type(exc).__name__}: {exc})") from exc
+        seq = TraceSequence(**arrays)
+        seq.check(str(file), layers, top_k)
+        sequences.append(seq)
+    return Trace(meta, sequences)
