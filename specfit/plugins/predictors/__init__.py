@@ -1,4 +1,5 @@
-"""Built-in expert predictors: history (per-token routing statistics) and router_probe."""
+"""Built-in expert predictors: history (per-token routing statistics), router_probe, and oracle
+(the recorded routing, trace replay only)."""
 
 from specfit.interfaces import hookimpl
 
@@ -6,7 +7,9 @@ from specfit.interfaces import hookimpl
 @hookimpl
 def register_predictors(register):
     from specfit.plugins.predictors.history import HistoryPredictor
+    from specfit.plugins.predictors.oracle import OraclePredictor
     from specfit.plugins.predictors.router_probe import RouterProbePredictor
 
     register(HistoryPredictor)
     register(RouterProbePredictor)
+    register(OraclePredictor)

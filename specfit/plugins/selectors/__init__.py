@@ -1,5 +1,6 @@
 """Built-in selectors: eagle3 (EAGLE's reranked tree), chain (its most likely path), specfit (exact
-throughput-maximising subtree)."""
+throughput-maximising subtree), greedy and prefix (EcoSpec- and EVICT-style baselines on the same
+cost model), oracle (the accepted path, trace replay only)."""
 
 from specfit.interfaces import hookimpl
 
@@ -8,8 +9,14 @@ from specfit.interfaces import hookimpl
 def register_selectors(register):
     from specfit.plugins.selectors.chain import ChainSelector
     from specfit.plugins.selectors.eagle3 import VerifyAllSelector
+    from specfit.plugins.selectors.greedy import GreedySelector
+    from specfit.plugins.selectors.oracle import OracleSelector
+    from specfit.plugins.selectors.prefix import PrefixSelector
     from specfit.plugins.selectors.specfit import SpecFitSelector
 
     register(VerifyAllSelector)
     register(ChainSelector)
     register(SpecFitSelector)
+    register(GreedySelector)
+    register(PrefixSelector)
+    register(OracleSelector)

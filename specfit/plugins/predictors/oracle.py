@@ -1,0 +1,45 @@
+"""The oracle expert predictor: each node's true routing, read from a recorded trace.
+
+For analysis only (precision and recall 1, the upper bound of what a predictor can give a
+selector). It binds to a trace replay's target, which exposes the recorded routing of the position
+being replayed; a live target has none, so it refuses to bind there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from specfit.config import PredictorConfig
+from specfit.core.tree import DraftTree
+from specfit.errors import ConfigError
+
+
+@dataclass
+class OraclePredictorConfig(PredictorConfig):
+    name: str = "oracle"
+
+
+class OraclePredictor:
+    name = "oracle"
+    Config = OraclePredictorConfig
+
+    def bind(self, target: Any) -> None:
+        self.routing = getattr(target, "trace_routing", None)
+        if self.routing is None:
+            raise ConfigError("predictor=oracle reads the true routing from a recorded trace: use it with "
+                              "`specfit replay trace.path=DIR predictor=oracle`, not in a live run")
+        spec = target.runtime.spec
+        self.layers, self.k = spec.num_layers, spec.top_k
+
+    def predict(self, tree: DraftTree, nodes: range) -> None:
+        rows = tree.expert_rows(self.layers, self.k)
+        if tree.root_experts is None:
+            tree.root_experts = self.routing.root()
+        if len(nodes):
+            rows[nodes.start : nodes.stop] = self.routing.nodes(nodes)
+
+    def observe(self, tokens: Sequence[int], routing: np.ndarray) -> None:
+        pass

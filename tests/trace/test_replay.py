@@ -1,0 +1,234 @@
+"""Replay agrees with the live run it was recorded from; the oracle bounds every selector.
+
+Agreement is exact in tokens committed per cycle (and, because the routing is the same, in the
+verified nodes, draft levels and cache hits and misses of every cycle). Time is compared in total
+over many cycles, against a bound derived from the calibration's own reported error.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import tiny_model
+from drafters import ScriptedDrafter
+
+from specfit import Engine
+from specfit.api import calibrate
+from specfit.core.calibration import CostConstants
+from specfit.errors import ConfigError
+from specfit.plugins.caches.full import FullCache
+from specfit.plugins.caches.lru import LRUCache
+from specfit.plugins.caches.none import NoCache
+from specfit.plugins.cost_models.union import UnionCostModel
+from specfit.plugins.drafters.eagle3.drafter import Eagle3Drafter
+from specfit.plugins.predictors.history import HistoryPredictor
+from specfit.plugins.predictors.oracle import OraclePredictor
+from specfit.plugins.selectors.eagle3 import VerifyAllSelector
+from specfit.plugins.selectors.oracle import OracleSelector
+from specfit.plugins.selectors.specfit import SpecFitSelector
+from specfit.registry import get_plugins
+from specfit.trace.record import record
+from specfit.trace.replay import replay
+
+PROMPTS = [[5, 17, 99, 3, 42, 8, 120, 77], [12, 200, 31, 7, 99, 140, 3]]
+N = 40
+CONSTANTS = CostConstants(c0=2e-3, c_tok=1e-4, c_miss=4e-4, c_hit=2e-5, c_level=5e-4, c_draft0=1e-4)
+
+
+class PositionalDrafter(ScriptedDrafter):
+    """ScriptedDrafter whose tree depends on the position alone (its random state is reseeded from
+    the sequence length), so the recording and a live run draft the same tree at each position,
+    however the cycles fall. Knows several prompts' greedy continuations."""
+
+    def __init__(self, references: list[list[int]], seed: int = 0, **kwargs) -> None:
+        super().__init__(references[0], vocab=256, **kwargs)
+        self.references, self.seed = references, seed
+
+    def start(self, prompt_ids, features, next_token) -> None:
+        self.reference = next((r for r in self.references if r[: len(prompt_ids)] == list(prompt_ids)), [])
+        super().start(prompt_ids, features, next_token)
+
+    def draft(self, tree):
+        self.rng = random.Random(self.seed * 1_000_003 + len(self.sequence))
+        yield from super().draft(tree)
+
+
+@pytest.fixture(scope="module")
+def references() -> list[list[int]]:
+    model = tiny_model()
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=N, min_new_tokens=N, do_sample=False)[0].tolist()
+                for p in PROMPTS]
+
+
+def scripted(references):
+    return PositionalDrafter(references, branching=3, depth=4, total_tokens=10, miss=0.1)
+
+
+def eagle3(references):
+    return Eagle3Drafter(top_k=3, depth=3, total_tokens=8, seed=0)  # a random head: nothing is accepted
+
+
+CACHES = {"lru": lambda: LRUCache(capacity=4), "none": NoCache, "full": FullCache}
+SELECTORS = {
+    "eagle3": lambda: (VerifyAllSelector(), None),
+    "specfit": lambda: (SpecFitSelector(draft_time="modelled"), HistoryPredictor()),
+    "specfit_calibrated": lambda: (SpecFitSelector(draft_time="modelled", acceptance="calibrated"), HistoryPredictor()),
+}
+
+
+def cycle_facts(cycles):
+    return [(c.committed, c.accepted, c.verified, c.levels, c.drafted, c.misses, c.hits) for c in cycles]
+
+
+class Traces(dict):
+    """Traces recorded on first use, per (drafter, cache)."""
+
+    def __init__(self, references) -> None:
+        super().__init__()
+        self.references = references
+
+    def __missing__(self, key):
+        drafter, cache = key
+        make = scripted if drafter == "scripted" else eagle3
+        engine = Engine(tiny_model(), cache=CACHES[cache](), drafter=make(self.references), device="cpu")
+        self[key] = record(engine, PROMPTS, max_new_tokens=N)
+        return self[key]
+
+
+@pytest.fixture(scope="module")
+def traces(references):
+    return Traces(references)
+
+
+# Every selector on the scripted drafter (acceptance happens) with LRU; the other caches and the
+# EAGLE-3 drafter (a random head: real drafting, real level times, nothing accepted) on a few.
+AGREEMENT = [("scripted", "lru", s) for s in SELECTORS] + [
+    ("scripted", "none", "specfit"), ("scripted", "full", "eagle3"), ("eagle3", "lru", "eagle3"),
+    ("eagle3", "lru", "specfit")]
+
+
+@pytest.mark.parametrize("drafter,cache,selector", AGREEMENT)
+def test_replay_reproduces_the_live_run_cycle_by_cycle(references, traces, drafter, cache, selector):
+    make = scripted if drafter == "scripted" else eagle3
+    sel, pred = SELECTORS[selector]()
+    engine = Engine(tiny_model(), cache=CACHES[cache](), drafter=make(references), selector=sel, predictor=pred,
+                    cost_model=UnionCostModel(constants=CONSTANTS), device="cpu")
+    live = [engine.generate(p, max_new_tokens=N) for p in PROMPTS]
+    for out, ref, p in zip(live, references, PROMPTS):
+        assert out.token_ids == ref[len(p):]
+
+    sel, pred = SELECTORS[selector]()
+    result = replay(traces[drafter, cache], sel, CACHES[cache](), UnionCostModel(constants=CONSTANTS), pred,
+                    draft_time="modelled", model=tiny_model())
+    for i, out in enumerate(live):
+        assert result.committed(i) == [c.committed for c in out.cycles]  # tokens per cycle, exactly
+        replayed = [c for c in result.cycles if c.sequence == i]
+        assert cycle_facts(replayed) == cycle_facts(out.cycles)
+        for r, c in zip(replayed, out.cycles):
+            assert r.predicted == pytest.approx(c.predicted, rel=1e-9, abs=0)
+            assert r.prediction == c.prediction
+    assert result.summary()["divergences"] == 0
+    # each cycle is charged the cost model's time for what the live cycle did (modelled D)
+    charged = [CONSTANTS.cycle_seconds(c.verified, c.misses, c.hits, CONSTANTS.c_draft0 + CONSTANTS.c_level * c.levels)
+               for out in live for c in out.cycles]
+    assert [c.seconds for c in result.cycles] == pytest.approx(charged, rel=1e-12)
+    if drafter == "scripted":
+        assert result.summary()["tokens_per_cycle"] > 1.5  # acceptance really happens
+
+
+def test_oracle_verifies_exactly_the_accepted_path_and_bounds_every_selector(traces):
+    trace = traces["scripted", "lru"]
+    oracle = replay(trace, OracleSelector(), LRUCache(capacity=4), UnionCostModel(constants=CONSTANTS),
+                    draft_time="modelled")
+    best = {}
+    for c in oracle.cycles:
+        full = trace.sequences[c.sequence].position(c.position).accepted_path()
+        assert c.accepted == len(full) and c.verified == c.accepted  # nothing wasted
+        assert c.levels == max(len(full), 1)  # drafting stops once the path is drafted
+        best[c.sequence, c.position] = len(full)
+    for selector in ("eagle3", "specfit"):
+        sel, pred = SELECTORS[selector]()
+        result = replay(trace, sel, LRUCache(capacity=4), UnionCostModel(constants=CONSTANTS), pred,
+                        draft_time="modelled", model=tiny_model())
+        for c in result.cycles:  # at every position it visits, no selector accepts more than the oracle
+            assert c.accepted <= trace.sequences[c.sequence].position(c.position).accepted_path().__len__()
+        s, o = result.summary(), oracle.summary()
+        assert s["verified_nodes_per_cycle"] > o["verified_nodes_per_cycle"]
+        assert 0 < s["predicted_tokens_per_second"] / o["predicted_tokens_per_second"] <= 1.0
+
+
+def test_oracle_predictor_is_the_recorded_routing(traces):
+    trace = traces["scripted", "lru"]
+    result = replay(trace, SpecFitSelector(draft_time="modelled"), LRUCache(capacity=4),
+                    UnionCostModel(constants=CONSTANTS), OraclePredictor(), draft_time="modelled")
+    s = result.summary()
+    assert s["predictor_recall"] == 1.0 and s["predictor_precision"] == 1.0
+    history = replay(trace, SpecFitSelector(draft_time="modelled"), LRUCache(capacity=4),
+                     UnionCostModel(constants=CONSTANTS), HistoryPredictor(), draft_time="modelled", model=tiny_model())
+    assert history.summary()["predictor_recall"] < 1.0
+
+
+def test_oracles_refuse_live_runs(references):
+    engine = Engine(tiny_model(), drafter=scripted(references), selector=OracleSelector(), device="cpu")
+    with pytest.raises(ConfigError, match="specfit replay"):
+        engine.generate(PROMPTS[0], max_new_tokens=4)
+    with pytest.raises(ConfigError, match="specfit replay"):
+        Engine(tiny_model(), drafter=scripted(references), predictor=OraclePredictor(), device="cpu")
+    plugins = get_plugins()
+    assert plugins["selector"].get("oracle").cls is OracleSelector
+    assert plugins["predictor"].get("oracle").cls is OraclePredictor
+
+
+def test_replay_needs_cost_constants(traces):
+    with pytest.raises(ConfigError, match="cost_model.calibration=FILE"):
+        replay(traces["scripted", "lru"], VerifyAllSelector(), LRUCache(capacity=4), UnionCostModel())
+    with pytest.raises(ConfigError, match="cost_model=union"):
+        replay(traces["scripted", "lru"], VerifyAllSelector(), LRUCache(capacity=4), None)
+
+
+def test_recording_restores_the_engine(references):
+    selector, predictor = VerifyAllSelector(), HistoryPredictor()
+    engine = Engine(tiny_model(), drafter=scripted(references), selector=selector, predictor=predictor, device="cpu")
+    record(engine, PROMPTS[:1], max_new_tokens=4)
+    assert engine.selector is selector and engine.predictor is predictor
+    assert engine.accept_limit is None and engine.observers == []
+
+
+def test_live_time_is_within_the_cost_models_error_of_the_replayed_time(references, tmp_path):
+    """Total decode time over many cycles, live (measured) vs replayed (predicted).
+
+    Copies go through the emulated link, so misses cost the reference deployment's time and the
+    cycle times have the structure the cost model describes. Tolerance: 3x the calibration's
+    held-out p90 per-cycle error, at least 50%. The total's error is a weighted mean of per-cycle
+    errors, so it stays below their p90 unless the machine's load changes between calibration and
+    this run: on a shared CPU it does, hence the factor and the floor. The assertion guards against
+    gross disagreement (wrong D, hits counted as misses, a missing term), not small drift.
+    """
+    def engine(selector=None, predictor=None, cost_model=None):
+        return Engine(tiny_model(), cache=LRUCache(capacity=4), copy="emulated", drafter=scripted(references),
+                      selector=selector, predictor=predictor, cost_model=cost_model, device="cpu")
+
+    recorder = engine()
+    constants, report = calibrate(recorder, PROMPTS, max_new_tokens=24, path=tmp_path / "calibration.json")
+    trace = record(recorder, PROMPTS, max_new_tokens=N)
+    tolerance = max(0.5, 3 * report["cycle_time_ape_p90"])
+    for selector in ("eagle3", "specfit"):
+        def run(max_cycles=None):
+            sel, pred = SELECTORS[selector]()
+            return replay(trace, sel, LRUCache(capacity=4), UnionCostModel(constants=constants), pred,
+                          draft_time="recorded", model=tiny_model(), max_cycles=max_cycles)
+
+        run(max_cycles=4)  # warm-up (compiles the search), so neither run below pays one-time costs
+        sel, pred = SELECTORS[selector]()
+        live = engine(sel, pred, UnionCostModel(constants=constants))
+        cycles = [c for p in PROMPTS for c in live.generate(p, max_new_tokens=N).cycles]
+        measured = sum(c.total_seconds for c in cycles)
+        result = run()
+        assert [c.committed for c in result.cycles] == [c.committed for c in cycles]
+        predicted = sum(c.seconds for c in result.cycles)
+        print(f"{selector}: live {measured:.4f}s, replayed {predicted:.4f}s over {len(cycles)} cycles "
+              f"(error {abs(predicted - measured) / measured:.1%}, tolerance {tolerance:.0%}; calibration {report})")
+        assert abs(predicted - measured) / measured <= tolerance, (selector, predicted, measured, report)
