@@ -20,6 +20,9 @@ commands:
   bench      compare methods side by side:  specfit bench methods=[ar,eagle3,specfit] workloads=[prose,gsm]
   generate   decode a prompt:  specfit generate model.path=DIR prompt="..." cache=lru cache.capacity=16
   calibrate  measure the cost model's constants for this model, cache, copy engine and machine
+  record     write a trace of every position of the greedy output:  specfit record model=tiny trace.path=DIR
+  replay     run selectors, caches and cost models over a trace, vs the oracle:
+             specfit replay trace.path=DIR selector=specfit predictor=history cache=lru cache.capacity=16
   plugins    list registered plugins (--json for machine-readable output)
   train-tokenizer / train-target / train-drafter
              train a BPE tokenizer, a Qwen3-MoE target, an EAGLE-3 head (for any supported MoE target)
@@ -28,7 +31,8 @@ Overrides use Hydra syntax; `specfit <command> --cfg job` shows every key. Docs:
 """
 
 # command -> (primary config, job)
-HYDRA_COMMANDS: dict[str, str] = {"generate": "config", "demo": "demo", "bench": "bench", "calibrate": "calibrate"}
+HYDRA_COMMANDS: dict[str, str] = {"generate": "config", "demo": "demo", "bench": "bench", "calibrate": "calibrate",
+                                 "record": "record", "replay": "replay"}
 
 # command -> (module, config dataclass, function): trainers, configured by their dataclass alone
 TRAIN_COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -78,6 +82,14 @@ def _job(command: str) -> Callable:
             from specfit.commands.calibrate import run
 
             run(cfg, output_dir)
+        elif command == "record":
+            from specfit.commands.record import run
+
+            run(cfg, output_dir)
+        elif command == "replay":
+            from specfit.commands.replay import run
+
+            run(cfg, output_dir, overrides)
 
     return job
 

@@ -1,0 +1,154 @@
+"""``specfit replay trace.path=DIR``: selectors, caches and cost models over a recorded trace.
+
+One method comes from the config's own selector / predictor / cache / cost model; ``methods=[...]``
+names several presets (as ``specfit bench`` does). Unless ``replay.oracle=false``, the oracle is
+replayed with each distinct (cache, cost model) of those methods, and every method is reported as
+a fraction of its oracle's predicted tokens per second.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from specfit.errors import ConfigError
+from specfit.registry import get_plugins
+from specfit.results import append_jsonl
+from specfit.trace.format import Trace, load_trace
+from specfit.trace.replay import ReplayResult, model_loader, replay
+
+COLUMNS = [
+    ("method", "method", "{}"),
+    ("cache", "cache_desc", "{}"),
+    ("tok/cycle", "tokens_per_cycle", "{:.2f}"),
+    ("verified/cyc", "verified_nodes_per_cycle", "{:.1f}"),
+    ("levels/cyc", "draft_levels_per_cycle", "{:.1f}"),
+    ("misses", "expert_cache_misses", "{}"),
+    ("hit rate", "expert_cache_hit_rate", "{:.2f}"),
+    ("pred s", "predicted_seconds", "{:.3f}"),
+    ("pred tok/s", "predicted_tokens_per_second", "{:.1f}"),
+    ("of oracle", "oracle_fraction", "{:.3f}"),
+    ("recall", "predictor_recall", "{:.2f}"),
+]
+
+
+@dataclass
+class _Run:
+    name: str
+    cfg: DictConfig
+    config: dict[str, Any]  # resolved, as written to the results
+    setup: str  # cache and cost model: runs with the same setup share one oracle
+    result: ReplayResult
+
+
+def method_configs(cfg: DictConfig, overrides: list[str]) -> list[tuple[str, DictConfig]]:
+    """(name, config) per method: the presets named by ``methods``, else the config itself."""
+    if not cfg.methods:
+        return [(str(cfg.selector.name), cfg)]
+    from specfit.commands.bench import check_overrides, method_config
+
+    check_overrides(cfg, overrides)
+    return [(str(m), method_config(cfg, str(m), None, overrides)) for m in cfg.methods]
+
+
+def replay_config(trace: Trace, cfg: DictConfig, name: str, model: Any, draft_time: str,
+                  oracle: bool = False, warmup: int = 0) -> ReplayResult:
+    """Build the plugins a config names and replay them (``oracle``: with the oracle selector and
+    no predictor). ``warmup`` cycles are first replayed with throwaway plugins, so one-time costs
+    (compiling the search, loading caches) are not charged as selection time."""
+    plugins = get_plugins()
+
+    def parts() -> dict[str, Any]:
+        made = {kind: plugins[kind].create(cfg[kind]) if cfg.get(kind) is not None else None
+                for kind in ("selector", "cache", "cost_model", "predictor")}
+        if oracle:
+            from specfit.plugins.selectors.oracle import OracleSelector
+
+            made["selector"], made["predictor"] = OracleSelector(), None
+        return made
+
+    if warmup > 0:
+        replay(trace, **parts(), draft_time=draft_time, model=model, max_cycles=warmup)
+    return replay(trace, **parts(), draft_time=draft_time, model=model, method=name)
+
+
+def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[str, Any]]:
+    if not cfg.trace.path:
+        raise ConfigError("set trace.path=DIR: a trace written by `specfit record`")
+    trace = load_trace(cfg.trace.path)
+    draft_time = str(cfg.replay.draft_time)
+    warmup = int(cfg.replay.warmup) if draft_time == "recorded" else 0
+    given = cfg.model.path or cfg.model.builtin
+    model = model_loader(trace, OmegaConf.to_object(cfg.model) if given else None)
+
+    start = time.perf_counter()
+    runs: list[_Run] = []
+    for name, c in method_configs(cfg, overrides):
+        config = OmegaConf.to_container(c, resolve=True)
+        result = replay_config(trace, c, name, model, draft_time, warmup=warmup)
+        runs.append(_Run(name, c, config, _setup(config), result))
+    oracles = {r.setup: r for r in runs if r.result.selector == "oracle"}
+    if cfg.replay.oracle:
+        for r in list(runs):
+            if r.setup not in oracles:
+                result = replay_config(trace, r.cfg, "oracle", model, draft_time, oracle=True, warmup=warmup)
+                config = {**r.config, "selector": {"name": "oracle"}, "predictor": None}
+                oracles[r.setup] = _Run("oracle", r.cfg, config, r.setup, result)
+                runs.append(oracles[r.setup])
+    wall = time.perf_counter() - start
+
+    rows, table = [], []
+    for r in runs:
+        summary = r.result.summary()
+        oracle = oracles.get(r.setup)
+        if oracle is not None:
+            best = oracle.result.summary()["predicted_tokens_per_second"]
+            summary["oracle_fraction"] = summary["predicted_tokens_per_second"] / best if best else 0.0
+        table.append({**summary, "cache_desc": f"{r.result.cache}:{r.result.slots_per_layer}"})
+        rows.append({"command": "replay", "trace": str(cfg.trace.path), **summary,
+                     "cost_constants": r.result.constants, "config": r.config})
+
+    _print_header(trace, cfg)
+    print(replay_table(table))
+    replaying = sum(r.result.wall_seconds for r in runs)
+    print(f"\nreplayed {len(runs)} runs over {trace.positions} positions in {replaying:.2f}s "
+          f"({len(runs) * trace.positions / replaying if replaying > 0 else 0:.0f} positions/s; {wall:.2f}s with "
+          f"set-up and warm-up); draft time: {draft_time}")
+    if any(r["divergences"] for r in rows):
+        print("WARNING: some accepted paths disagree with the recorded output (tree-pass numerics); "
+              "those cycles were cut at the disagreement (see 'divergences')")
+    path = append_jsonl(output_dir / cfg.results_file, rows)
+    print(f"results: {path}")
+    return rows
+
+
+def _setup(config: dict[str, Any]) -> str:
+    return json.dumps({k: config.get(k) for k in ("cache", "cost_model")}, sort_keys=True, default=str)
+
+
+def _print_header(trace: Trace, cfg: DictConfig) -> None:
+    meta, d = trace.meta, trace.meta.drafter
+    print(f"trace {cfg.trace.path}: {len(trace.sequences)} sequences, {trace.positions} positions; drafter "
+          f"{d.get('name')} (depth {d.get('depth')}, total_tokens {d.get('total_tokens')}); "
+          f"model {meta.info.get('model', '?')}")
+    report = meta.calibration or {}
+    if "cycle_time_ape_median" in report:
+        print(f"cost model error at calibration (held-out cycles): median "
+              f"{100 * report['cycle_time_ape_median']:.1f}%, p90 {100 * report['cycle_time_ape_p90']:.1f}%")
+
+
+def replay_table(rows: list[dict[str, Any]]) -> str:
+    """A fixed-width table of replayed methods ('-' where a column does not apply)."""
+    if not rows:
+        return "(no results)"
+    table = [[fmt.format(r[key]) if r.get(key) is not None else "-" for _, key, fmt in COLUMNS] for r in rows]
+    header = [name for name, _, _ in COLUMNS]
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
+    return "\n".join(lines)

@@ -1,0 +1,90 @@
+"""`specfit record` and `specfit replay` from the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specfit.cli import main
+from specfit.config import compose
+
+COSTS = ["cost_model.c0=0.002", "cost_model.c_tok=0.0001", "cost_model.c_miss=0.0004", "cost_model.c_hit=0.00002",
+         "cost_model.c_level=0.0005"]
+DRAFTER = ["drafter.top_k=3", "drafter.depth=3", "drafter.total_tokens=6"]
+
+
+@pytest.fixture(scope="module")
+def trace_dir(tmp_path_factory):
+    """A trace of the tiny model with a random EAGLE-3 head, recorded without a cost model (so no
+    calibration runs: replays then give their constants)."""
+    root = tmp_path_factory.mktemp("rec")
+    main(["record", "model=tiny", *DRAFTER, "~cost_model", "prompt_ids=[5,17,99,3,42]", "max_new_tokens=12",
+          f"trace.path={root / 'trace'}", f"hydra.run.dir={root / 'run'}"])
+    row = json.loads((root / "run" / "results.jsonl").read_text())
+    assert row["command"] == "record" and row["positions"] == 11 and row["cost_constants"] is None
+    return root / "trace"
+
+
+def test_record_writes_a_loadable_trace(trace_dir, capsys):
+    from specfit.trace import load_trace
+
+    trace = load_trace(trace_dir)
+    assert trace.positions == 11 and trace.meta.drafter == {"name": "eagle3", "depth": 3, "total_tokens": 6}
+    assert trace.meta.config["model"]["builtin"] == "tiny-qwen3-moe"
+    with pytest.raises(SystemExit) as info:  # an existing trace is not overwritten by mistake
+        main(["record", "model=tiny", "~cost_model", "prompt_ids=[5]", f"trace.path={trace_dir}"])
+    assert info.value.code == 2 and "trace.overwrite=true" in capsys.readouterr().err
+
+
+def test_replay_prints_the_table_against_the_oracle(trace_dir, tmp_path, capsys):
+    main(["replay", f"trace.path={trace_dir}", "methods=[eagle3,specfit]", "cache.capacity=4", *COSTS,
+          "replay.draft_time=modelled", f"hydra.run.dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert "of oracle" in out and "pred tok/s" in out and "positions/s" in out
+    rows = {r["method"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
+    assert set(rows) == {"eagle3", "specfit", "oracle"}
+    assert rows["oracle"]["oracle_fraction"] == 1.0 and rows["oracle"]["selector"] == "oracle"
+    assert 0 < rows["eagle3"]["oracle_fraction"] <= 1.0
+    for r in rows.values():
+        assert r["positions"] == 11 and r["decode_tokens"] == 11 and r["cache_slots_per_layer"] == 4
+        assert r["cost_constants"]["c_miss"] == 0.0004 and r["config"]["cache"]["capacity"] == 4
+    assert rows["specfit"]["predictor"] == "history" and "predictor_recall" in rows["specfit"]
+
+
+def test_replay_single_method_with_oracle_predictor(trace_dir, tmp_path, capsys):
+    main(["replay", f"trace.path={trace_dir}", "selector=specfit", "predictor=oracle", "cache=none", *COSTS,
+          f"hydra.run.dir={tmp_path}"])
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in rows] == ["specfit", "oracle"]
+    assert rows[0]["predictor_recall"] == 1.0 and rows[0]["draft_time"] == "recorded"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["trace.path=null"], "set trace.path=DIR"),
+    (["trace.path=/nonexistent/trace"], "no such directory"),
+    (["trace.path={trace}"], "carries no cost constants"),
+    (["trace.path={trace}", *COSTS, "replay.draft_time=wall"], "replay.draft_time='wall'"),
+])
+def test_replay_errors_are_one_line(trace_dir, tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as info:
+        main(["replay", *[a.format(trace=trace_dir) for a in args], f"hydra.run.dir={tmp_path}"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("specfit: error:") and message in err and "\n" not in err
+
+
+def test_oracle_selector_in_a_live_run_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "model=tiny", "drafter=eagle3", *DRAFTER, "selector=oracle", "prompt_ids=[5,17]",
+              "max_new_tokens=4", f"hydra.run.dir={tmp_path}"])
+    assert info.value.code == 2 and "specfit replay" in capsys.readouterr().err
+
+
+def test_configs_compose_with_trace_keys():
+    cfg = compose(["model=tiny", "trace.path=/x", "trace.overwrite=true"], config_name="record")
+    assert cfg.trace.path == "/x" and cfg.drafter.name == "eagle3" and cfg.cost_model.name == "union"
+    cfg = compose(["trace.path=/x", "replay.draft_time=modelled", "cache.capacity=8"], config_name="replay")
+    assert cfg.replay.draft_time == "modelled" and cfg.selector.name == "specfit" and cfg.predictor.name == "history"
+    with pytest.raises(Exception, match="trace.pth"):
+        compose(["trace.pth=/x"], config_name="replay")
