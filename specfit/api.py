@@ -17,11 +17,11 @@ from specfit.core.sampling import SamplingParams
 from specfit.registry import get_plugins
 
 
-def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None) -> Engine:
+def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, calibrate_now: bool = True) -> Engine:
     """An :class:`Engine` for a composed config: loads the model, builds every plugin by name.
 
     A cost model with ``calibration=auto`` gets this setup's stored constants, measured now (and
-    stored) the first time.
+    stored) the first time (unless ``calibrate_now`` is false: `specfit calibrate` measures itself).
     """
     plugins = get_plugins()
     loaded = load_target(OmegaConf.to_object(cfg.model))
@@ -44,7 +44,8 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None) -> 
         info={"model": loaded.source},
         **parts,
     )
-    _attach_calibration(engine, calibration_prompts)
+    if calibrate_now:
+        _attach_calibration(engine, calibration_prompts)
     return engine
 
 

@@ -19,6 +19,12 @@ ARCHITECTURES = ["tiny-qwen3-moe", "tiny-olmoe", "tiny-mixtral"]
 
 
 @pytest.fixture(autouse=True)
+def _private_home(tmp_path_factory, monkeypatch):
+    """Calibrations a test makes go to a temporary SPECFIT_HOME, never the user's cache."""
+    monkeypatch.setenv("SPECFIT_HOME", str(tmp_path_factory.getbasetemp() / "specfit-home"))
+
+
+@pytest.fixture(autouse=True)
 def _fresh_hydra():
     """Each test composes from scratch (Hydra keeps global state)."""
     from hydra.core.global_hydra import GlobalHydra

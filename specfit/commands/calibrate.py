@@ -19,7 +19,7 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
         prompts = prompts_of(cfg)
     except ConfigError:
         prompts = None  # seeded random prompts
-    engine = build(cfg, calibration_prompts=prompts)
+    engine = build(cfg, calibrate_now=False)
     constants, report = calibrate(engine, prompts, max_new_tokens=cfg.max_new_tokens)
     engine.cost_model.set_constants(constants)
     c = constants

@@ -113,7 +113,10 @@ def setup_fingerprint(engine: Any) -> dict[str, Any]:
         "cache": engine.runtime.policy.name,
         "slots_per_layer": engine.runtime.slots_per_layer,
         "copy_engine": engine.copy_engine.describe(),
-        "drafter": engine.drafter.name,
+        # drafting costs depend on the drafter's settings, not only on its kind
+        "drafter": {"name": engine.drafter.name, "depth": engine.drafter.depth, "total_tokens": engine.drafter.total_tokens,
+                    "top_k": getattr(engine.drafter, "top_k", None), "head": getattr(engine.drafter, "path", None),
+                    "model_head": getattr(engine.target, "draft_head", None)},
         "machine": {"node": platform.node(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count()},
     }
@@ -186,9 +189,12 @@ def run_calibration(engine: Any, prompts: Sequence[Any], max_new_tokens: int, se
         engine.selector = saved
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(records))
-    cut = max(4, int(len(records) * (1 - held_out)))
+    if len(records) < 8:
+        raise ConfigError(f"calibration measured only {len(records)} cycles; give more or longer prompts "
+                          "(max_new_tokens) so some can be held out")
+    cut = int(len(records) * (1 - held_out))
     fit = [records[i] for i in order[:cut]]
-    test = [records[i] for i in order[cut:]] or fit
+    test = [records[i] for i in order[cut:]]
     constants = fit_constants(fit)
     errors = percentage_errors(constants, test)
     report = {

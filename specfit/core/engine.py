@@ -20,7 +20,7 @@ from specfit.core.sampling import Sampler, SamplingParams
 from specfit.core.stats import CycleRecord, RunStats, prediction_overlap
 from specfit.core.target import Target
 from specfit.core.tree import DraftTree, verify_block
-from specfit.errors import ConfigError
+from specfit.errors import ConfigError, PluginError
 from specfit.registry import check_plugin_instance
 from specfit.interfaces import Selection, SelectionContext
 
@@ -142,6 +142,8 @@ class Engine:
         """Decode from ``prompt`` (text needs a tokenizer; token ids always work)."""
         ids = self._encode(prompt)
         limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if limit < 1:
+            raise ConfigError(f"max_new_tokens={limit} must be at least 1")
         sampler = Sampler(sampling or self.sampling, self.device)
         stats = RunStats(prompt_tokens=len(ids), info=dict(self.info))
         out: list[int] = []
@@ -174,7 +176,8 @@ class Engine:
         selection = Selection(nodes=[])
         select_seconds = 0.0
         level_seconds: list[float] = []
-        for level in self.drafter.draft(tree):
+        levels = self.drafter.draft(tree)
+        for level in levels:
             if self.predictor is not None:
                 self.predictor.predict(tree, level)
             t_sel = _now(self.device)
@@ -190,10 +193,15 @@ class Engine:
             select_seconds += _now(self.device) - t_sel
             if selection.stop:
                 break
+        if hasattr(levels, "close"):
+            levels.close()  # the drafter tidies up (drops its tree KV) now, not when garbage-collected
         t_verify = _now(self.device)
         draft_seconds = t_verify - t0 - select_seconds
 
-        block = verify_block(tree, selection.nodes)
+        try:
+            block = verify_block(tree, selection.nodes)
+        except ValueError as exc:
+            raise PluginError(f"selector '{self.selector.name}' chose nodes that are not a valid subtree: {exc}") from exc
         before = self.runtime.stats.copy()
         prefix = self.target.kv_len
         result = self.target.verify(block)
@@ -252,7 +260,7 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ConfigError("this model has no tokenizer: give the prompt as token ids (prompt_ids=[...])")
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            ids = self.tokenizer(prompt)["input_ids"]  # the tokenizer's own defaults (BOS where it adds one)
         else:
             ids = [int(t) for t in prompt]
         if not ids:

@@ -75,7 +75,7 @@ class RunStats:
             "decode_throughput": (self.output_tokens - 1) / decode_seconds if decode_seconds > 0 else 0.0,
             "mean_tpot_ms": 1e3 * decode_seconds / max(self.output_tokens - 1, 1),
             "cycles": len(cycles),
-            "spec_decode_acceptance_length": sum(c.accepted + 1 for c in cycles) / n,
+            "spec_decode_acceptance_length": sum(c.committed for c in cycles) / n,
             "num_drafts": sum(1 for c in cycles if c.drafted),
             "draft_tokens": sum(c.drafted for c in cycles),
             "draft_tokens_per_cycle": sum(c.drafted for c in cycles) / n,

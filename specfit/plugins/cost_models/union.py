@@ -34,9 +34,11 @@ class UnionCostConfig(CostModelConfig):
     c_miss: float | None = None
     c_hit: float | None = None
     c_level: float | None = None
+    c_draft0: float | None = None
 
 
-OVERRIDES = ("c0", "c_tok", "c_miss", "c_hit", "c_level")
+OVERRIDES = ("c0", "c_tok", "c_miss", "c_hit", "c_level", "c_draft0")
+REQUIRED = ("c0", "c_tok", "c_miss", "c_hit")
 
 
 class UnionCostModel:
@@ -71,21 +73,25 @@ class UnionCostModel:
 
     def set_constants(self, constants: CostConstants) -> None:
         values = {**constants.to_json(), **self.overrides}
+        for key in OVERRIDES:
+            value = values.get(key, 0.0)
+            if not (np.isfinite(value) and value >= 0):
+                raise ConfigError(f"cost_model.{key}={value} must be a finite number of seconds >= 0")
         self._constants = CostConstants.from_json(values)
 
     @property
     def constants(self) -> CostConstants:
         if self._constants is None:
-            if set(("c0", "c_tok", "c_miss", "c_hit")) <= set(self.overrides):
-                self._constants = CostConstants.from_json({**self.overrides, "source": "config"})
-            else:
+            if not self.calibrated:
                 raise ConfigError("cost_model=union is not calibrated: run `specfit calibrate`, set "
                                   "cost_model.calibration=FILE, or give cost_model.c0/c_tok/c_miss/c_hit")
+            self.set_constants(CostConstants(c0=0.0, c_tok=0.0, c_miss=0.0, c_hit=0.0, source="config"))
         return self._constants
 
     @property
     def calibrated(self) -> bool:
-        return self._constants is not None
+        """Constants are known: set, loaded, or all four given in the config."""
+        return self._constants is not None or set(REQUIRED) <= set(self.overrides)
 
     # ------------------------------------------------------------------ predictions
 
@@ -93,10 +99,11 @@ class UnionCostModel:
         """The selection instance for ``tree`` (method.md sections 2-3)."""
         c = self.constants
         layers, k = self.spec.num_layers, self.spec.top_k
-        if tree.experts is None and len(tree):
-            raise ConfigError("the union cost model needs predicted experts: set predictor=history (or another predictor)")
+        if tree.root_experts is None or (tree.experts is None and len(tree)):
+            raise ConfigError("the union cost model needs predicted experts for the root and every node: "
+                              "set predictor=history (or another predictor that fills tree.root_experts and tree.experts)")
         node_experts = tree.experts[: len(tree)] if tree.experts is not None else np.zeros((0, layers, k), np.int32)
-        root = tree.root_experts if tree.root_experts is not None else np.full((layers, k), -1, np.int32)
+        root = tree.root_experts
         return SearchProblem(
             parents=tree.parents_array(),
             accept=accept,
@@ -117,11 +124,27 @@ class UnionCostModel:
         return evaluate(problem, mask)[1]
 
     def observe(self, record: Any) -> None:
+        """Online refit (``online=true``): re-estimate only what the recent cycles identify.
+
+        A window of similar cycles cannot separate c0, c_tok and c_hit, and one without misses says
+        nothing about copies; refitting those from it would make copies look free and the
+        selector's trees swing. So compute constants are refitted only when the window varies in
+        both tree size and experts used, the copy cost only after enough misses, and drafting
+        costs are kept from the calibration.
+        """
         if not self.online:
             return
         self._recent.append(record)
         self._seen += 1
-        if self._seen % self.refit_every == 0 and len(self._recent) >= 8:
-            fitted = fit_constants(list(self._recent))
-            fitted.source = "online"
-            self.set_constants(fitted)
+        if self._seen % self.refit_every or len(self._recent) < 8:
+            return
+        window = list(self._recent)
+        old = self.constants
+        fitted = fit_constants(window, fallback_copy_seconds=old.c_miss - old.c_hit)
+        sizes = np.array([[r.verified, r.hits + r.misses] for r in window], dtype=float)
+        varied = np.linalg.matrix_rank(np.column_stack([np.ones(len(window)), sizes]), tol=1e-9) == 3
+        enough_misses = sum(r.misses for r in window) >= 32
+        c0, c_tok, c_hit = (fitted.c0, fitted.c_tok, fitted.c_hit) if varied else (old.c0, old.c_tok, old.c_hit)
+        c_copy = (fitted.c_miss - fitted.c_hit) if enough_misses else (old.c_miss - old.c_hit)
+        self._constants = CostConstants(c0=c0, c_tok=c_tok, c_miss=c_hit + c_copy, c_hit=c_hit, c_level=old.c_level,
+                                        c_draft0=old.c_draft0, samples=len(window), source="online")

@@ -82,7 +82,7 @@ def load_head(path: str | Path) -> Eagle3Head:
     if "embed_tokens.weight" in state:
         head.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
     expected = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary.")}
-    optional = {"d2t", "t2d"}
+    optional = {"t2d"} | ({"d2t"} if cfg.draft_vocab_size == cfg.vocab_size else set())
     missing = sorted(set(expected) - set(state) - optional)
     if missing:
         raise ModelError(f"{path}: missing tensors {', '.join(missing)}")

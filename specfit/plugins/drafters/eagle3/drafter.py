@@ -33,19 +33,20 @@ class Eagle3DrafterConfig(DrafterConfig):
     total_tokens: int = 60
     seed: int = 0
     # SGLang's names, accepted as aliases: --speculative-eagle-topk / -num-steps / -num-draft-tokens
+    # (SGLang's num_draft_tokens counts the root: total_tokens = num_draft_tokens - 1)
     eagle_topk: int | None = None
     num_steps: int | None = None
     num_draft_tokens: int | None = None
 
 
-def _alias(cfg: Eagle3DrafterConfig, field: str, alias: str) -> int:
+def _alias(cfg: Eagle3DrafterConfig, field: str, alias: str, offset: int = 0) -> int:
     value, other = getattr(cfg, field), getattr(cfg, alias)
     default = getattr(Eagle3DrafterConfig, field)
     if other is None:
         return value
-    if value != default and value != other:
+    if value != default and value != other + offset:
         raise ConfigError(f"drafter.{field}={value} and its alias drafter.{alias}={other} disagree")
-    return other
+    return other + offset
 
 
 class Eagle3Drafter:
@@ -63,7 +64,7 @@ class Eagle3Drafter:
     @classmethod
     def from_config(cls, cfg: Eagle3DrafterConfig) -> Eagle3Drafter:
         return cls(path=cfg.path, top_k=_alias(cfg, "top_k", "eagle_topk"), depth=_alias(cfg, "depth", "num_steps"),
-                   total_tokens=_alias(cfg, "total_tokens", "num_draft_tokens"), seed=cfg.seed)
+                   total_tokens=_alias(cfg, "total_tokens", "num_draft_tokens", offset=-1), seed=cfg.seed)
 
     # ------------------------------------------------------------------ binding
 

@@ -50,6 +50,8 @@ class Eagle3Config:
         missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in raw]
         if missing:
             raise ModelError(f"{source}: missing {', '.join(missing)}")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ModelError(f"{source}: hidden_act={raw['hidden_act']!r}; the EAGLE-3 head implements silu only")
         hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         eagle = raw.get("eagle_config") or {}
         aux = raw.get("eagle_aux_hidden_state_layer_ids", eagle.get("eagle_aux_hidden_state_layer_ids"))
