@@ -291,7 +291,10 @@ class _Replayer:
             if selection.stop:
                 break
 
-        block = verify_block(tree, selection.nodes)
+        try:
+            block = verify_block(tree, selection.nodes)
+        except ValueError as exc:  # as the engine reports it
+            raise PluginError(f"selector '{self.selector.name}' chose nodes that are not a valid subtree: {exc}") from exc
         rows = rec.rows(block.nodes)
         if np.any(rows < 0):
             unknown = [v for v, r in zip(block.nodes, rows) if r < 0]

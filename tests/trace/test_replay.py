@@ -18,6 +18,7 @@ from specfit import Engine
 from specfit.api import calibrate
 from specfit.core.calibration import CostConstants
 from specfit.errors import ConfigError
+from specfit.interfaces import Selection
 from specfit.plugins.caches.full import FullCache
 from specfit.plugins.caches.lru import LRUCache
 from specfit.plugins.caches.none import NoCache
@@ -29,6 +30,7 @@ from specfit.plugins.selectors.eagle3 import VerifyAllSelector
 from specfit.plugins.selectors.oracle import OracleSelector
 from specfit.plugins.selectors.specfit import SpecFitSelector
 from specfit.registry import get_plugins
+from specfit.trace import TraceError
 from specfit.trace.record import record
 from specfit.trace.replay import replay
 
@@ -72,10 +74,16 @@ def eagle3(references):
 
 
 CACHES = {"lru": lambda: LRUCache(capacity=4), "none": NoCache, "full": FullCache}
+def registered(name: str, **kwargs):
+    return get_plugins()["selector"].get(name).cls(**kwargs)
+
+
 SELECTORS = {
     "eagle3": lambda: (VerifyAllSelector(), None),
     "specfit": lambda: (SpecFitSelector(draft_time="modelled"), HistoryPredictor()),
     "specfit_calibrated": lambda: (SpecFitSelector(draft_time="modelled", acceptance="calibrated"), HistoryPredictor()),
+    "greedy": lambda: (registered("greedy", draft_time="modelled"), HistoryPredictor()),
+    "prefix": lambda: (registered("prefix", draft_time="modelled"), HistoryPredictor()),
 }
 
 
@@ -187,6 +195,26 @@ def test_replay_needs_cost_constants(traces):
         replay(traces["scripted", "lru"], VerifyAllSelector(), LRUCache(capacity=4), UnionCostModel())
     with pytest.raises(ConfigError, match="cost_model=union"):
         replay(traces["scripted", "lru"], VerifyAllSelector(), LRUCache(capacity=4), None)
+
+
+class EverythingSelector:
+    """Verifies every drafted node: more than any recording verifies."""
+
+    name = "everything"
+
+    def bind(self, spec):
+        pass
+
+    def select(self, tree, ctx):
+        return Selection(nodes=list(range(len(tree))))
+
+    def observe(self, tree, verified, accepted):
+        pass
+
+
+def test_a_selection_outside_the_recorded_candidates_is_a_clear_error(traces):
+    with pytest.raises(TraceError, match="did not verify"):
+        replay(traces["scripted", "lru"], EverythingSelector(), LRUCache(capacity=4), UnionCostModel(constants=CONSTANTS))
 
 
 def test_recording_restores_the_engine(references):
