@@ -4,8 +4,9 @@ The engine runs with ``accept_limit = 0``, so each cycle commits exactly one tok
 position of the greedy output is the root of a recorded tree. The recording selector never stops
 drafting and verifies the union over draft levels d of the ``total_tokens`` nodes of highest path
 probability among nodes of depth <= d: the candidate sets that the built-in selectors choose
-from after each level (EAGLE's reranking). Verifying them gives the target's argmax and routing for
-every node any of those selectors could verify, at any level it could stop at.
+from after each level (EAGLE's reranking), plus the chain selector's path (the most likely child at
+each level, which need not rank among them). Verifying them gives the target's argmax and routing
+for every node any built-in selector could verify, at any level it could stop at.
 """
 
 from __future__ import annotations
@@ -31,15 +32,19 @@ class CandidateUnionSelector:
     name = "trace_recorder"
 
     def __init__(self) -> None:
+        from specfit.plugins.selectors.chain import ChainSelector
+
         self._union: set[int] = set()
+        self._chain = ChainSelector()
 
     def bind(self, spec: Any) -> None:
-        pass
+        self._chain.bind(spec)
 
     def select(self, tree: DraftTree, ctx: SelectionContext) -> Selection:
         if tree.depth == 1:
             self._union = set()
         self._union.update(tree.top_by_path_prob(ctx.max_nodes))
+        self._union.update(self._chain.select(tree, ctx).nodes)
         return Selection(nodes=sorted(self._union))
 
     def observe(self, tree: DraftTree, verified: Any, accepted: Any) -> None:

@@ -11,8 +11,8 @@ predictor what the engine would, and moves on by accepted + 1 tokens.
 
 The replayed tree is the drafted tree, node for node, so selectors and predictors see what they
 saw live. The target's verdict is known for the recorded candidates (every level's ``total_tokens``
-best nodes, see :mod:`specfit.trace.record`): the ones the built-in selectors choose from. A
-selection outside them cannot be replayed and is a clear error.
+best nodes and the chain, see :mod:`specfit.trace.record`): the ones the built-in selectors choose
+from. A selection outside them cannot be replayed and is a clear error.
 """
 
 from __future__ import annotations
@@ -214,6 +214,9 @@ class _Replayer:
                 check_plugin_instance(kind, part)
         if cost_model is None:
             raise ConfigError("replay charges each cycle the cost model's time: set cost_model=union")
+        for needed in getattr(selector, "requires", ()):  # as the engine checks
+            if parts.get(needed) is None:
+                raise ConfigError(f"selector={selector.name} needs a {needed}: set {needed}=... (e.g. predictor=history)")
         self.spec = spec = trace.meta.moe_spec()
         self.max_depth = int(trace.meta.drafter.get("depth", 0))
         self.max_nodes = int(trace.meta.drafter.get("total_tokens", 0))
@@ -301,7 +304,7 @@ class _Replayer:
             raise TraceError(
                 f"selector '{self.selector.name}' chose nodes {unknown[:5]} at position {pos} of sequence {index}, "
                 f"which the recording did not verify (it verifies each level's {self.max_nodes} best nodes by "
-                f"path probability): this selection cannot be replayed")
+                f"path probability and the most likely chain): this selection cannot be replayed")
         routing = np.concatenate([rec.root_routing[None], rec.routing[rows]]).astype(np.int64)
         path, bonus = _accept(block, rec, rows)
         misses, hits, union = self._pass(routing)

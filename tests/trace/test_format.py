@@ -74,6 +74,9 @@ def test_candidate_union_keeps_nodes_that_later_levels_push_out():
     selection = selector.select(tree, ctx)
     assert selection.nodes == [0, 1, 3] and not selection.stop
     assert tree.top_by_path_prob(2) == [0, 3]
+    tree.add_level([3, 4], [30, 31], [-5.0, -0.01])  # the chain 0 -> 3 -> 5 adds node 5 (path -5.3)
+    assert selector.select(tree, ctx).nodes == [0, 1, 3, 5]
+    assert tree.top_by_path_prob(2) == [0, 3]
 
 
 def test_round_trip_is_exact(trace, tmp_path):

@@ -80,6 +80,7 @@ def registered(name: str, **kwargs):
 
 SELECTORS = {
     "eagle3": lambda: (VerifyAllSelector(), None),
+    "chain": lambda: (registered("chain"), None),
     "specfit": lambda: (SpecFitSelector(draft_time="modelled"), HistoryPredictor()),
     "specfit_calibrated": lambda: (SpecFitSelector(draft_time="modelled", acceptance="calibrated"), HistoryPredictor()),
     "greedy": lambda: (registered("greedy", draft_time="modelled"), HistoryPredictor()),
@@ -115,7 +116,7 @@ def traces(references):
 # EAGLE-3 drafter (a random head: real drafting, real level times, nothing accepted) on a few.
 AGREEMENT = [("scripted", "lru", s) for s in SELECTORS] + [
     ("scripted", "none", "specfit"), ("scripted", "full", "eagle3"), ("eagle3", "lru", "eagle3"),
-    ("eagle3", "lru", "specfit")]
+    ("eagle3", "lru", "specfit"), ("eagle3", "lru", "chain")]
 
 
 @pytest.mark.parametrize("drafter,cache,selector", AGREEMENT)
