@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from omegaconf import MISSING, DictConfig
 
+from specfit.core.link_profiles import DEFAULT_PROFILE
 from specfit.errors import ConfigError
 
 CONFIG_MODULE = "specfit.conf"
@@ -52,7 +53,7 @@ class PredictorConfig(PluginConfig):
 class LinkConfig:
     """Emulated host-to-device link (``cache.copy=emulated``): explicit values override the profile."""
 
-    profile: str | None = "qwen3-30b-a3b-pcie4"
+    profile: str | None = DEFAULT_PROFILE
     bandwidth_gbps: float | None = None
     latency_us: float | None = None
     ref_expert_bytes: int | None = None

@@ -5,8 +5,8 @@ class SpecfitError(Exception):
     """A problem the user can fix: bad config, bad path, unsupported model, broken plugin."""
 
 
-class ConfigError(SpecfitError):
-    """A config key, value or group option is wrong."""
+class ConfigError(SpecfitError, ValueError):
+    """A config key, value or group option is wrong (a ValueError too, for callers that catch those)."""
 
 
 class PluginError(SpecfitError):

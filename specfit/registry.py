@@ -230,7 +230,7 @@ class Plugins:
 
 
 def _entry_points() -> list[tuple[metadata.EntryPoint, str, str]]:
-    if os.environ.get("SPECFIT_DISABLE_PLUGIN_AUTOLOAD", "").strip() not in ("", "0", "false"):
+    if os.environ.get("SPECFIT_DISABLE_PLUGIN_AUTOLOAD", "").strip().lower() in ("1", "true", "yes", "on"):
         return []
     allowed = os.environ.get("SPECFIT_PLUGINS")
     allow = {n.strip() for n in allowed.split(",") if n.strip()} if allowed is not None else None

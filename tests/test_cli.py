@@ -109,9 +109,10 @@ def test_bench_runs_methods_side_by_side(tmp_path, capsys):
     assert rows[2]["selector"] == "specfit" and "predictor_recall" in rows[2]
 
 
-def test_unknown_method_is_named(tmp_path):
-    with pytest.raises(SystemExit):
+def test_unknown_method_is_named(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
         main(["bench", "model=tiny", "methods=[warp_drive]", "prompt_ids=[1]", f"hydra.run.dir={tmp_path}"])
+    assert info.value.code == 2 and "warp_drive" in capsys.readouterr().err
 
 
 def test_bench_typo_is_one_line(capsys):
@@ -129,3 +130,26 @@ def test_trainer_commands_are_configured_by_their_dataclass(command):
     assert "out_dir:" in shown.stdout
     bad = subprocess.run([exe, command, "no_such_key=1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "no_such_key" in bad.stderr and bad.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("cache.copy=foo", "unknown copy engine cache.copy='foo'"),
+        ("cache.link.profile=foo", "unknown link profile 'foo'"),
+        ("cache.link.bandwidth_gbps=0", "cache.link.bandwidth_gbps must be > 0"),
+        ("model.attn_implementation=flash_attention_2", "model.attn_implementation='flash_attention_2'"),
+        ("model.device=tpu", "model.device='tpu' is not one of"),
+        ("cost_model.c0=-1", "cost_model.c0=-1"),
+    ],
+)
+def test_bad_settings_are_one_line_errors(override, message, tmp_path, capsys):
+    extra = ["cache.copy=emulated"] if override.startswith("cache.link") else []
+    if override.startswith("cost_model"):
+        extra = ["drafter=eagle3", "selector=specfit", "cost_model=union", "predictor=history", "cost_model.c_tok=0",
+                 "cost_model.c_miss=0", "cost_model.c_hit=0"]
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "model=tiny", "prompt_ids=[1,2]", "max_new_tokens=2", *extra, override,
+              f"hydra.run.dir={tmp_path}"])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and message in err and "\n" not in err

@@ -554,14 +554,20 @@ def make_copy_engine(
     """Build the engine named by ``cache.copy`` (``triton``, ``torch`` or ``emulated``).
 
     ``link`` (``cache.link``) only applies to ``emulated``; it may be a :class:`LinkSettings` or a
-    plain mapping of its fields.
+    plain mapping of its fields. Settings that cannot work (an unknown engine or link profile, a
+    zero bandwidth, Triton without a GPU or its interpreter) raise a ConfigError naming the key.
     """
-    if kind == "torch":
-        return TorchCopyEngine(device)
-    if kind == "triton":
-        return TritonCopyEngine(device)
-    if kind == "emulated":
-        if link is not None and not isinstance(link, LinkSettings):
-            link = LinkSettings.from_mapping(link)
-        return EmulatedLinkEngine(TorchCopyEngine(device), link)
-    raise ValueError(f"unknown copy engine cache.copy={kind!r}; valid values: {', '.join(COPY_KINDS)}")
+    from specfit.errors import ConfigError
+
+    try:
+        if kind == "torch":
+            return TorchCopyEngine(device)
+        if kind == "triton":
+            return TritonCopyEngine(device)
+        if kind == "emulated":
+            if link is not None and not isinstance(link, LinkSettings):
+                link = LinkSettings.from_mapping(link)
+            return EmulatedLinkEngine(TorchCopyEngine(device), link)
+    except (ValueError, RuntimeError) as exc:
+        raise ConfigError(str(exc).splitlines()[0]) from exc
+    raise ConfigError(f"unknown copy engine cache.copy={kind!r}; valid values: {', '.join(COPY_KINDS)}")

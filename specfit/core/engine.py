@@ -85,27 +85,31 @@ class Engine:
         draft_head: str | None = None,
         info: dict[str, Any] | None = None,
     ) -> None:
-        from specfit.plugins.caches.lru import LRUCache
-        from specfit.plugins.drafters.none import NoDrafter
-        from specfit.plugins.selectors.eagle3 import VerifyAllSelector
+        from specfit.registry import get_plugins
 
+        builtin = get_plugins()
         self.device = torch.device(device) if device is not None else default_device()
         self.copy_engine = copy if not isinstance(copy, str) else make_copy_engine(copy, self.device, link)
-        self.runtime = OffloadRuntime(model, cache if cache is not None else LRUCache(), self.copy_engine, self.device)
+        cache = cache if cache is not None else builtin["cache"].get("lru").cls()
+        self.runtime = OffloadRuntime(model, cache, self.copy_engine, self.device)
         model.to(self.device).eval()
         self.model = model
         self.spec = self.runtime.spec
         self.target = Target(model, self.runtime)
         self.target.draft_head = draft_head  # the model's own EAGLE-3 head, for drafters without one
         self.tokenizer = tokenizer
-        self.drafter = drafter if drafter is not None else NoDrafter()
-        self.selector = selector if selector is not None else VerifyAllSelector()
+        self.drafter = drafter if drafter is not None else builtin["drafter"].get("none").cls()
+        self.selector = selector if selector is not None else builtin["selector"].get("eagle3").cls()
         self.cost_model = cost_model
         self.predictor = predictor
         for kind, part in (("drafter", self.drafter), ("selector", self.selector), ("cost_model", cost_model),
                            ("predictor", predictor), ("cache", self.runtime.policy)):
             if part is not None:
                 check_plugin_instance(kind, part)
+        for needed in getattr(self.selector, "requires", ()):  # e.g. cost-aware selectors: cost_model, predictor
+            if getattr(self, needed) is None:
+                raise ConfigError(f"selector={self.selector.name} needs a {needed}: set {needed}=..."
+                                  f" (e.g. {'cost_model=union' if needed == 'cost_model' else 'predictor=history'})")
         self.drafter.bind(self.target)
         self.target.feature_layers = tuple(self.drafter.feature_layers())
         self.selector.bind(self.spec)
@@ -144,7 +148,7 @@ class Engine:
         limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         if limit < 1:
             raise ConfigError(f"max_new_tokens={limit} must be at least 1")
-        sampler = Sampler(sampling or self.sampling, self.device)
+        sampler = Sampler(sampling or self.sampling)
         stats = RunStats(prompt_tokens=len(ids), info=dict(self.info))
         out: list[int] = []
         with torch.inference_mode():
@@ -152,6 +156,8 @@ class Engine:
             prefill = self.target.prefill(ids)
             out.append(sampler.next_token(prefill.logits[-1]))
             self.drafter.start(ids, prefill.features, out[-1])
+            if self.predictor is not None:
+                self.predictor.observe(ids, prefill.routing)  # the prompt's routing: a free warm start
             for observer in self.observers:
                 observer.on_prefill(ids, prefill.routing, out[-1])
             stats.prefill_seconds = _now(self.device) - start

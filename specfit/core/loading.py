@@ -34,7 +34,24 @@ def resolve_dtype(name: str) -> torch.dtype | str:
     return DTYPES[name]
 
 
+ATTENTION = ("sdpa", "eager")  # the implementations tree verification supports (mask semantics known)
+
+
+def check_device(device: str) -> None:
+    """``model.device``: auto, cpu, cuda or cuda:N, and CUDA only where there is a GPU."""
+    if device in ("auto", "cpu"):
+        return
+    if not device.startswith("cuda") or not (device == "cuda" or device[5:6] == ":" and device[6:].isdigit()):
+        raise ModelError(f"model.device={device!r} is not one of auto, cpu, cuda, cuda:N")
+    if not torch.cuda.is_available():
+        raise ModelError(f"model.device={device}: no CUDA device is available (torch {torch.__version__})")
+
+
 def load_target(cfg: ModelConfig) -> LoadedModel:
+    check_device(cfg.device)
+    if cfg.attn_implementation not in ATTENTION:
+        raise ModelError(f"model.attn_implementation={cfg.attn_implementation!r}: tree verification supports "
+                         f"{' and '.join(ATTENTION)}")
     if cfg.builtin and cfg.path:
         raise ModelError("set model.path or model.builtin, not both")
     if cfg.builtin:

@@ -111,18 +111,23 @@ class OffloadRuntime:
             raise PluginError(f"cache '{policy.name}' asked for {self.slots_per_layer} slots per layer, below top-k {spec.top_k}")
         pin = self.device.type == "cuda"
         self.stores: list[torch.Tensor] = []
-        for layer, (name, module) in enumerate(experts):
-            e = spec.num_experts
-            store = torch.cat([module.gate_up_proj.detach().reshape(e, -1), module.down_proj.detach().reshape(e, -1)], dim=1)
-            self.stores.append(store.pin_memory() if pin else store.contiguous())
+        split = 2 * spec.intermediate_size * spec.hidden_size
+        for layer in range(len(experts)):
+            name, module = experts[layer]
+            # one host row per expert (gate_up then down), written straight into the (pinned) buffer
+            store = torch.empty(spec.num_experts, spec.expert_numel, dtype=spec.dtype, pin_memory=pin)
+            store[:, :split].copy_(module.gate_up_proj.detach().reshape(spec.num_experts, -1))
+            store[:, split:].copy_(module.down_proj.detach().reshape(spec.num_experts, -1))
+            self.stores.append(store)
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, attr, OffloadedExperts(self, layer, module.act_fn))
+            experts[layer] = (name, None)  # drop the last reference: peak host memory stays ~ one layer above the store
+            del module
         self.slots = [
             torch.empty(self.slots_per_layer, spec.expert_numel, dtype=spec.dtype, device=self.device)
             for _ in range(spec.num_layers)
         ]
-        split = 2 * spec.intermediate_size * spec.hidden_size
         self._gate_up = [[s[i, :split].view(2 * spec.intermediate_size, spec.hidden_size) for i in range(len(s))] for s in self.slots]
         self._down = [[s[i, split:].view(spec.hidden_size, spec.intermediate_size) for i in range(len(s))] for s in self.slots]
         self.slot_expert = np.full((spec.num_layers, self.slots_per_layer), -1, dtype=np.int64)
@@ -191,8 +196,14 @@ class OffloadRuntime:
 
     def _preload(self) -> None:
         by_layer: dict[int, list[tuple[int, int]]] = {}
+        spec = self.spec
         for layer, expert, slot in self.policy.preload():
+            if not (0 <= layer < spec.num_layers and 0 <= expert < spec.num_experts and 0 <= slot < self.slots_per_layer):
+                raise PluginError(f"cache '{self.policy.name}' preloads (layer {layer}, expert {expert}, slot {slot}): out of range")
             by_layer.setdefault(layer, []).append((expert, slot))
+        for layer, loads in by_layer.items():
+            if len({s for _, s in loads}) != len(loads):
+                raise PluginError(f"cache '{self.policy.name}' preloads two experts into one slot of layer {layer}")
         for layer, loads in by_layer.items():
             self.stats.preload_bytes += self._copy(layer, loads).bytes
             for e, slot in loads:
@@ -224,6 +235,8 @@ def _check_admission(name: str, slots: np.ndarray, layer: int, wanted: list[int]
     if len(set(chosen)) != len(chosen):
         raise PluginError(f"cache '{name}' put two experts in one slot in layer {layer}")
     loaded = dict(admission.loads)
+    if len(loaded) != len(admission.loads):
+        raise PluginError(f"cache '{name}' lists an expert twice in its loads in layer {layer}")
     for expert, slot in admission.slots.items():
         if expert not in wanted or not 0 <= slot < len(slots):
             raise PluginError(f"cache '{name}' admitted expert {expert} to slot {slot} in layer {layer}: invalid")

@@ -36,7 +36,7 @@ class SamplingParams:
 class Sampler:
     """Target distributions and draws, with a seeded generator for reproducible runs."""
 
-    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
+    def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.generator = torch.Generator(device="cpu").manual_seed(params.seed)
 

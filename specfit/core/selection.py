@@ -53,6 +53,7 @@ class CostAwareSelector:
     """Picks the subtree that maximises predicted throughput N/T by ``choose``, after each level."""
 
     name = "cost_aware"
+    requires = ("cost_model", "predictor")  # the engine checks these are configured
 
     def __init__(self, acceptance: str = "path_prob", early_stop: bool = True, draft_time: str = "measured") -> None:
         if acceptance not in ("path_prob", "calibrated"):

@@ -47,6 +47,12 @@ class Target:
         self.attn_implementation = impl
         # transformers 5.2x renames `past_key_values` to `cache`; use whichever this model takes.
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        # KV compaction moves entries by absolute position: sliding-window or other cache layers would break it
+        layers = DynamicCache(config=model.config).layers
+        odd = {type(layer).__name__ for layer in layers} - {"DynamicLayer"}
+        if odd:
+            raise ModelError(f"{type(model).__name__} uses {', '.join(sorted(odd))} KV-cache layers (sliding-window "
+                             "attention?); tree verification supports full-attention models only")
 
     @property
     def config(self):  # noqa: ANN201 - the HF config
@@ -60,9 +66,10 @@ class Target:
         return 0 if self.cache is None else self.cache.get_seq_length()
 
     def prefill(self, ids: Sequence[int]) -> PassOutput:
+        """The prompt; only its last position's logits are kept (a long prompt's would be large)."""
         self.reset()
         input_ids = torch.tensor([list(ids)], device=self.device)
-        return self._forward(input_ids, position_ids=None, mask=None)
+        return self._forward(input_ids, position_ids=None, mask=None, last_logits_only=True)
 
     def verify(self, block: VerifyBlock) -> PassOutput:
         prefix = self.kv_len
@@ -96,14 +103,16 @@ class Target:
         dtype = self.model.dtype
         return torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, mask: torch.Tensor | None) -> PassOutput:
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, mask: torch.Tensor | None,
+                 last_logits_only: bool = False) -> PassOutput:
         want_features = bool(self.feature_layers)
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=mask,
             use_cache=True,
-            output_hidden_states=want_features,
+            output_hidden_states=sorted(set(self.feature_layers)) if want_features else False,  # only the layers needed
+            logits_to_keep=1 if last_logits_only else 0,
             **{self._cache_kwarg: self.cache},
         )
         features = None

@@ -30,3 +30,17 @@ def test_greedy_on_cuda_matches_hf_generate_on_cuda(arch, cache, copy):
     assert engine.runtime.slots[0].is_cuda
     out = engine.generate(PROMPT, max_new_tokens=24)
     assert out.token_ids == ref
+
+
+@pytest.mark.parametrize("copy", ["torch", "triton"])
+def test_tree_verification_on_cuda(copy):
+    from drafters import ScriptedDrafter
+
+    from specfit.plugins.drafters.eagle3.drafter import Eagle3Drafter
+
+    with torch.no_grad():
+        ref = tiny_model().to("cuda").generate(torch.tensor([PROMPT], device="cuda"), max_new_tokens=24,
+                                                min_new_tokens=24, do_sample=False)[0].tolist()
+    for drafter in (ScriptedDrafter(ref, vocab=256, branching=3, depth=3), Eagle3Drafter(top_k=3, depth=3, total_tokens=8)):
+        engine = Engine(tiny_model(), cache=LRUCache(capacity=3), copy=copy, drafter=drafter, device="cuda")
+        assert engine.generate(PROMPT, max_new_tokens=24).token_ids == ref[len(PROMPT):]

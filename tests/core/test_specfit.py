@@ -135,12 +135,14 @@ def test_calibrate_command_prints_error_and_path(tmp_path, monkeypatch, capsys):
     assert "held-out cycle-time error: median" in out and "stored: " in out
 
 
-def test_specfit_without_cost_model_is_a_clear_error():
+def test_specfit_without_cost_model_or_predictor_is_a_clear_error_before_decoding():
     ref = reference()
-    engine = Engine(tiny_model(), drafter=ScriptedDrafter(ref, vocab=256), selector=SpecFitSelector(),
-                    predictor=HistoryPredictor(), device="cpu")
-    with pytest.raises(ConfigError, match="set cost_model=union"):
-        engine.generate(PROMPT, max_new_tokens=4)
+    with pytest.raises(ConfigError, match="selector=specfit needs a cost_model: set cost_model=..."):
+        Engine(tiny_model(), drafter=ScriptedDrafter(ref, vocab=256), selector=SpecFitSelector(),
+               predictor=HistoryPredictor(), device="cpu")
+    with pytest.raises(ConfigError, match="selector=specfit needs a predictor"):
+        Engine(tiny_model(), drafter=ScriptedDrafter(ref, vocab=256), selector=SpecFitSelector(),
+               cost_model=UnionCostModel(constants=CONSTANTS), device="cpu")
 
 
 def test_exact_search_never_predicts_less_than_the_baselines():
@@ -155,3 +157,59 @@ def test_exact_search_never_predicts_less_than_the_baselines():
         best = evaluate(problem, SpecFitSelector().choose(problem, allowed))[2]
         for other in (GreedySelector(), PrefixSelector()):
             assert evaluate(problem, other.choose(problem, allowed))[2] <= best * (1 + 1e-9)
+
+
+def _specfit_engine(constants, **selector_kw):
+    ref = reference()
+    drafter = ScriptedDrafter(ref, vocab=256, branching=3, depth=4, miss=0.0)
+    return Engine(tiny_model(), cache=LRUCache(capacity=4), drafter=drafter, selector=SpecFitSelector(**selector_kw),
+                  cost_model=UnionCostModel(constants=constants), predictor=HistoryPredictor(), device="cpu")
+
+
+def test_draft_stop_rule_stops_when_a_level_cannot_pay_and_continues_when_it_can():
+    dear = CostConstants(c0=2e-3, c_tok=1e-5, c_miss=1e-5, c_hit=1e-6, c_level=10.0)  # another level costs 10 s
+    cheap = CostConstants(c0=2e-3, c_tok=1e-6, c_miss=1e-6, c_hit=1e-7, c_level=0.0)
+    stopped = _specfit_engine(dear).generate(PROMPT, max_new_tokens=16)
+    assert all(c.levels == 1 for c in stopped.cycles)
+    full = _specfit_engine(cheap, draft_time="modelled").generate(PROMPT, max_new_tokens=16)
+    assert max(c.levels for c in full.cycles) == 4
+    no_rule = _specfit_engine(dear, early_stop=False).generate(PROMPT, max_new_tokens=16)
+    assert all(c.levels == 4 for c in no_rule.cycles)
+    for out in (stopped, full, no_rule):
+        assert out.token_ids == reference()[len(PROMPT):][:16]
+
+
+def test_modelled_draft_time_makes_decisions_repeatable():
+    runs = [_specfit_engine(CONSTANTS, draft_time="modelled").generate(PROMPT, max_new_tokens=20) for _ in range(2)]
+    assert [(c.levels, c.verified) for c in runs[0].cycles] == [(c.levels, c.verified) for c in runs[1].cycles]
+
+
+def test_cache_oblivious_model_ignores_residency_and_stays_lossless():
+    ref = reference()
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=4), drafter=ScriptedDrafter(ref, vocab=256, branching=3, depth=3),
+                    selector=SpecFitSelector(), cost_model=UnionCostModel(cache_aware=False, constants=CONSTANTS),
+                    predictor=HistoryPredictor(), device="cpu")
+    assert engine.generate(PROMPT, max_new_tokens=16).token_ids == ref[len(PROMPT):][:16]
+    tree = DraftTree(root_token=1)
+    tree.add_level([-1], [2], [-0.1])
+    tree.expert_rows(engine.spec.num_layers, 2)[0] = [0, 1]
+    tree.root_experts = np.zeros((engine.spec.num_layers, 2), dtype=np.int32)
+    problem = engine.cost_model.problem(tree, np.ones(1), np.ones((engine.spec.num_layers, engine.spec.num_experts), bool), 0.0)
+    assert not problem.resident.any() and problem.c_hit == problem.c_miss
+
+
+def test_online_refit_keeps_copy_cost_through_a_window_without_misses():
+    from specfit.core.stats import CycleRecord
+
+    model = UnionCostModel(online=True, constants=CONSTANTS, refit_every=8)
+    rng = np.random.default_rng(1)
+    for _ in range(16):
+        n, hits = int(rng.integers(0, 20)), int(rng.integers(2, 40))
+        total = CONSTANTS.cycle_seconds(n, 0, hits, 1e-3)
+        model.observe(CycleRecord(drafted=n, levels=2, verified=n, accepted=0, committed=1, draft_seconds=1e-3,
+                                  select_seconds=0.0, verify_seconds=total - 1e-3, h2d_seconds=0.0, total_seconds=total,
+                                  misses=0, hits=hits, union=[]))
+    c = model.constants
+    assert c.source == "online"
+    assert c.c_miss - c.c_hit == pytest.approx(CONSTANTS.c_miss - CONSTANTS.c_hit)
+    assert c.c_tok == pytest.approx(CONSTANTS.c_tok, rel=1e-6) and c.c_hit == pytest.approx(CONSTANTS.c_hit, rel=1e-6)

@@ -227,3 +227,110 @@ def test_speculative_sampling_matches_autoregressive_sampling_end_to_end():
     tokens = sorted(set(counts["ar"]) | set(counts["tree"]))
     table = [[counts[n].get(t, 0) + 1 for t in tokens] for n in engines]
     assert chi2_contingency(table).pvalue > 1e-3
+
+
+def test_tree_drafting_equals_drafting_each_path_alone():
+    """A node's path log-probability from the batched tree pass equals feeding its path to the head
+    one token at a time (the tree mask and positions are right)."""
+    import torch.nn.functional as F
+
+    from specfit.core.tree import DraftTree
+    from specfit.plugins.drafters.eagle3.head import KVBuffer
+
+    engine = Engine(tiny_model(), drafter=Eagle3Drafter(top_k=3, depth=4, total_tokens=20), device="cpu")
+    drafter, head = engine.drafter, engine.drafter.head
+    with torch.inference_mode():
+        prefill = engine.target.prefill(PROMPT)
+        root = int(prefill.logits[-1].argmax())
+        drafter.start(PROMPT, prefill.features, root)
+        tree = DraftTree(root_token=root)
+        for _ in drafter.draft(tree):
+            pass
+        assert drafter.kv.length == len(PROMPT)  # tree pairs dropped after drafting
+        for v in range(len(tree)):
+            kv = KVBuffer(head.cfg.num_key_value_heads, head.cfg.head_dim, drafter.dtype, drafter.device)
+            tokens = torch.tensor(PROMPT[1:] + [root])
+            h = head(head.project(prefill.features), tokens, torch.arange(len(tokens)), kv)[-1]
+            logp = 0.0
+            for node in tree.path_to(v):
+                logp += float(F.log_softmax(head.logits(h[None]).float(), -1)[0, tree.tokens[node]])
+                h = head(h[None], torch.tensor([tree.tokens[node]]), torch.tensor([kv.length]), kv)[0]
+            assert logp == pytest.approx(tree.path_log_probs[v], abs=1e-4)
+
+
+def test_committing_several_tokens_equals_starting_over():
+    """After a cycle that accepts several tokens, the head drafts what it would from a fresh start
+    on the longer sequence (its KV is kept in step with committed tokens)."""
+    from specfit.core.tree import DraftTree
+
+    ref = reference("tiny-qwen3-moe")
+    engine = Engine(tiny_model(), drafter=Eagle3Drafter(top_k=3, depth=3, total_tokens=10), device="cpu")
+    drafter = engine.drafter
+    with torch.inference_mode():
+        prefill = engine.target.prefill(PROMPT)
+        drafter.start(PROMPT, prefill.features, ref[len(PROMPT)])
+        for _ in drafter.draft(DraftTree(root_token=ref[len(PROMPT)])):
+            pass
+        # verify the next three true tokens as a chain and commit them
+        from specfit.core.tree import VerifyBlock
+
+        chain = ref[len(PROMPT) : len(PROMPT) + 4]
+        block = VerifyBlock(tokens=chain, parents=[-1, 0, 1, 2], depths=[0, 1, 2, 3], nodes=[0, 1, 2])
+        prefix = engine.target.kv_len
+        result = engine.target.verify(block)
+        engine.target.keep(prefix, [0, 1, 2, 3])
+        drafter.commit(chain, result.features, ref[len(PROMPT) + 4])
+        continued = DraftTree(root_token=ref[len(PROMPT) + 4])
+        for _ in drafter.draft(continued):
+            pass
+        fresh_engine = Engine(tiny_model(), drafter=Eagle3Drafter(top_k=3, depth=3, total_tokens=10), device="cpu")
+        longer = ref[: len(PROMPT) + 4]
+        fresh = fresh_engine.target.prefill(longer)
+        fresh_engine.drafter.start(longer, fresh.features, ref[len(PROMPT) + 4])
+        restarted = DraftTree(root_token=ref[len(PROMPT) + 4])
+        for _ in fresh_engine.drafter.draft(restarted):
+            pass
+    assert continued.tokens == restarted.tokens
+    assert continued.path_log_probs == pytest.approx(restarted.path_log_probs, abs=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_eager_attention_tree_verification_matches_hf_generate(arch):
+    ref = reference(arch)
+    drafter = ScriptedDrafter(ref, vocab=256, branching=3, depth=3, seed=5)
+    model = tiny_model(arch, attn_implementation="eager")
+    engine = Engine(model, cache=LRUCache(capacity=3), drafter=drafter, device="cpu")
+    assert engine.target.attn_implementation == "eager"
+    out = engine.generate(PROMPT, max_new_tokens=20)
+    assert out.token_ids == ref[len(PROMPT):][:20]
+    assert out.stats["spec_decode_acceptance_length"] > 1.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("selector", ["eagle3", "chain", "specfit"])
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_sampling_is_lossless_for_every_selector_and_cache(selector, cache):
+    """Chi-square: the second generated token has the same law with the tree as without it."""
+    from scipy.stats import chi2_contingency
+
+    from specfit.core.calibration import CostConstants
+    from specfit.core.sampling import SamplingParams
+    from specfit.plugins.cost_models.union import UnionCostModel
+    from specfit.plugins.predictors.history import HistoryPredictor
+    from specfit.plugins.selectors.eagle3 import VerifyAllSelector
+    from specfit.plugins.selectors.specfit import SpecFitSelector
+
+    ref = reference("tiny-qwen3-moe")
+    parts = {"eagle3": dict(selector=VerifyAllSelector()), "chain": dict(selector=ChainSelector()),
+             "specfit": dict(selector=SpecFitSelector(), predictor=HistoryPredictor(),
+                             cost_model=UnionCostModel(constants=CostConstants(1e-3, 1e-5, 1e-5, 1e-6)))}[selector]
+    engines = {"ar": Engine(tiny_model(), cache=CACHES[cache](), device="cpu"),
+               "tree": Engine(tiny_model(), cache=CACHES[cache](), device="cpu",
+                              drafter=ScriptedDrafter(ref, vocab=256, branching=4, depth=2, miss=0.0), **parts)}
+    counts = {name: {} for name in engines}
+    for seed in range(600):
+        for name, engine in engines.items():
+            second = engine.generate(PROMPT[:3], 2, SamplingParams(temperature=1.5, top_k=6, seed=seed)).token_ids[1]
+            counts[name][second] = counts[name].get(second, 0) + 1
+    tokens = sorted(set(counts["ar"]) | set(counts["tree"]))
+    assert chi2_contingency([[counts[n].get(t, 0) + 1 for t in tokens] for n in engines]).pvalue > 1e-3
