@@ -257,6 +257,8 @@ class _Replayer:
 
     def _sequence(self, index: int, seq: TraceSequence) -> None:
         self._pass(seq.prefill_routing)  # the prefill goes through the cache too (not counted)
+        if self.predictor is not None:  # as the engine does: the prompt's routing is a free warm start
+            self.predictor.observe(seq.prompt.tolist(), seq.prefill_routing.astype(np.int64))
         output = seq.output
         done = 1  # output tokens committed (the first comes from the prefill)
         while done < len(output):
