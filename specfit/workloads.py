@@ -15,10 +15,8 @@ Every prompt list is deterministic in ``workload.seed``; results name the worklo
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
-import numpy as np
 from omegaconf import DictConfig
 
 from specfit.errors import ConfigError
@@ -32,10 +30,8 @@ def load_workload(cfg: DictConfig) -> list[str | list[int]]:
     if kind not in KINDS:
         raise ConfigError(f"workload.kind={kind!r} is not one of {', '.join(KINDS)}")
     prompts: list[str | list[int]] = [list(p) for p in cfg.prompt_ids] + [str(p) for p in cfg.prompts]
-    if kind in ("prose", "summary"):
-        prompts += _passages(cfg, summary=kind == "summary")
-    elif kind == "gsm":
-        prompts += _gsm(cfg)
+    if kind in ("prose", "summary", "gsm"):
+        prompts += _held_out(cfg)
     elif kind == "jsonl":
         prompts += _jsonl(cfg)
     elif kind == "hf":
@@ -52,43 +48,17 @@ def describe(cfg: DictConfig) -> dict[str, str]:
     return {"workload": cfg.name, "workload_kind": cfg.kind, "workload_split": split}
 
 
-def _data(cfg: DictConfig):  # noqa: ANN202 - a CorpusSplit or the data path
-    from specfit.training.common import DataDirError
+def _held_out(cfg: DictConfig) -> list[str]:
+    from specfit.data.paths import DataDirError
+    from specfit.data.prompts import gsm_prompts, prose_prompts
 
     try:
         if cfg.kind == "gsm":
-            from specfit.training.common import resolve_data_dir
-
-            return resolve_data_dir(cfg.data_dir, "gsm")
-        from specfit.training.corpus import load_corpus
-
-        return load_corpus(cfg.data_dir)
+            return gsm_prompts(cfg.data_dir, cfg.num_prompts, cfg.seed)
+        passages = prose_prompts(cfg.data_dir, cfg.num_prompts, cfg.prompt_chars, cfg.seed)
     except (DataDirError, FileNotFoundError) as exc:
         raise ConfigError(f"workload={cfg.name}: {exc}") from exc
-
-
-def _passages(cfg: DictConfig, summary: bool) -> list[str]:
-    docs = [text for _, text in _data(cfg).heldout]
-    rng = np.random.default_rng(cfg.seed)
-    out = []
-    for i in range(cfg.num_prompts):
-        text = docs[i % len(docs)]
-        start = int(rng.integers(0, max(1, len(text) - cfg.prompt_chars)))
-        start = text.find("\n", start) + 1  # begin and end on line boundaries
-        passage = text[start : start + cfg.prompt_chars]
-        passage = passage[: passage.rfind("\n") + 1] if "\n" in passage[1:] else passage
-        passage = passage.lstrip("\n")
-        out.append(passage.rstrip() + SUMMARY_CUE if summary else passage)
-    return out
-
-
-def _gsm(cfg: DictConfig) -> list[str]:
-    from specfit.training.gsm import HELDOUT_TEMPLATES, format_prompt, generate_problems
-
-    per_template = math.ceil(cfg.num_prompts / len(HELDOUT_TEMPLATES))
-    problems = generate_problems(_data(cfg), HELDOUT_TEMPLATES, per_template, seed=cfg.seed)
-    order = np.random.default_rng(cfg.seed).permutation(len(problems))
-    return [format_prompt(problems[i]) for i in order[: cfg.num_prompts]]
+    return [p.rstrip() + SUMMARY_CUE for p in passages] if cfg.kind == "summary" else passages
 
 
 def _jsonl(cfg: DictConfig) -> list[str | list[int]]:

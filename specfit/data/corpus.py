@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specfit.training.common import resolve_data_dir
+from specfit.data.paths import resolve_data_dir
 
 #: Held-out Shakespeare plays (file stem without ``_gut``): four shorter plays of different kinds.
 HELDOUT_PLAYS: tuple[str, ...] = ("macbeth", "twelfth_night", "julius_caesar", "tempest")
@@ -147,7 +147,7 @@ def load_kjv(data_dir: str | os.PathLike[str] | None = None) -> list[tuple[str, 
 def load_corpus(data_dir: str | os.PathLike[str] | None = None) -> CorpusSplit:
     """Shakespeare + KJV, split deterministically by :data:`HELDOUT_DOCUMENTS`.
 
-    Raises :class:`~specfit.training.common.DataDirError` naming the path when the data is absent.
+    Raises :class:`~specfit.data.paths.DataDirError` naming the path when the data is absent.
     """
     split = CorpusSplit()
     held = set(HELDOUT_DOCUMENTS)

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from specfit.training.common import resolve_data_dir
+from specfit.data.paths import resolve_data_dir
 
 #: Template ids used for training data (0000-0063).
 TRAIN_TEMPLATES: tuple[int, ...] = tuple(range(0, 64))

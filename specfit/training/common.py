@@ -1,7 +1,6 @@
-"""Shared helpers for the trainers: data location, LR schedule, progress bars, JSONL logs.
+"""Shared helpers for the trainers: LR schedule, progress bars, JSONL logs, checkpoint state.
 
-Kept free of heavy imports at module level (torch is imported inside functions) so that the
-corpus and GSM modules stay cheap to import for commands that only need text.
+Kept free of heavy imports at module level (torch is imported inside functions).
 """
 
 from __future__ import annotations
@@ -16,51 +15,6 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
-
-#: The repository root (``specfit/training/common.py`` -> two levels up). Used only to find the
-#: default data directory ``<repo>/../shared/data``; an installed wheel has no such sibling and
-#: gets a clear error instead.
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-#: Environment variable that overrides the default data directory.
-DATA_DIR_ENV = "SPECFIT_DATA_DIR"
-
-
-class DataDirError(FileNotFoundError):
-    """The training data directory (or a required part of it) is missing."""
-
-
-def default_data_dir() -> Path:
-    """Where the training data lives unless told otherwise.
-
-    ``$SPECFIT_DATA_DIR`` if set, else ``<repo>/../shared/data`` resolved from the repository
-    root (not from the current directory, so commands work from anywhere in the checkout).
-    """
-    env = os.environ.get(DATA_DIR_ENV)
-    if env:
-        return Path(env).expanduser().resolve()
-    return (REPO_ROOT / ".." / "shared" / "data").resolve()
-
-
-def resolve_data_dir(data_dir: str | os.PathLike[str] | None, *required: str) -> Path:
-    """Return ``data_dir`` (or the default) as a Path, checking that it and ``required`` exist.
-
-    Raises :class:`DataDirError` naming the missing path and how to point at the data, because a
-    user's machine usually has no ``../shared/data``.
-    """
-    path = Path(data_dir).expanduser().resolve() if data_dir is not None else default_data_dir()
-    if not path.is_dir():
-        raise DataDirError(
-            f"training data directory not found: {path} "
-            f"(pass data_dir=... or set ${DATA_DIR_ENV}; the project expects ../shared/data "
-            "beside the repository, holding corpus/ and gsm/)"
-        )
-    for rel in required:
-        sub = path / rel
-        if not sub.exists():
-            raise DataDirError(f"training data incomplete: {sub} is missing (data directory {path})")
-    return path
-
 
 def warmup_cosine_lr(step: int, *, total_steps: int, warmup_steps: int, lr: float,
                      min_lr_ratio: float = 0.1) -> float:

@@ -29,9 +29,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from specfit.training.common import (
-    JsonlLog, default_data_dir, progress_bar, read_text_files, rng_state, set_rng_state, truncate_log,
-    warmup_cosine_lr, write_json,
+    JsonlLog, progress_bar, read_text_files, rng_state, set_rng_state, truncate_log, warmup_cosine_lr, write_json,
 )
+from specfit.data.paths import default_data_dir
 
 #: Fields of :class:`TrainTargetConfig` that define the model; a resumed run must match them.
 MODEL_FIELDS = (
@@ -190,7 +190,7 @@ def prepare_train_data(cfg: TrainTargetConfig, tokenizer: Any, cache_dir: Path) 
     kinds: list[str] = []
     gsm_report: dict[str, Any] = {}
     if cfg.include_builtin_data:
-        from specfit.training.gsm import GenerationReport
+        from specfit.data.gsm import GenerationReport
 
         report = GenerationReport()
         corpus, gsm = training_documents(cfg.data_dir, cfg.gsm_per_template, cfg.gsm_seed, report)
@@ -218,8 +218,8 @@ def prepare_train_data(cfg: TrainTargetConfig, tokenizer: Any, cache_dir: Path) 
 def heldout_documents(data_dir: str | os.PathLike[str] | None, gsm_per_template: int = 20,
                       seed: int = 1234) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """Held-out evaluation text: (held-out corpus documents, held-out GSM problems as text)."""
-    from specfit.training.corpus import load_corpus
-    from specfit.training.gsm import HELDOUT_TEMPLATES, format_problem, generate_problems
+    from specfit.data.corpus import load_corpus
+    from specfit.data.gsm import HELDOUT_TEMPLATES, format_problem, generate_problems
 
     prose = load_corpus(data_dir).heldout
     problems = generate_problems(data_dir, HELDOUT_TEMPLATES, gsm_per_template, seed)
@@ -606,27 +606,11 @@ def greedy_generate(model: Any, input_ids: Sequence[int], max_new_tokens: int) -
 
 def heldout_prompts(data_dir: str | os.PathLike[str] | None, n_prose: int = 5, n_gsm: int = 5,
                     seed: int = 4321, prose_chars: int = 240) -> list[tuple[str, str]]:
-    """Deterministic held-out prompts: (kind, text). Prose prompts are passages from the middle of
-    held-out documents (cut at a line end); GSM prompts are held-out-template questions ending in
-    ``Answer:``."""
-    from specfit.training.corpus import load_corpus
-    from specfit.training.gsm import HELDOUT_TEMPLATES, format_prompt, generate_problems
+    """Deterministic held-out prompts: (kind, text), prose first (see :mod:`specfit.data.prompts`)."""
+    from specfit.data.prompts import gsm_prompts, prose_prompts
 
-    prompts: list[tuple[str, str]] = []
-    docs = load_corpus(data_dir).heldout
-    picks = np.linspace(0, len(docs) - 1, n_prose).round().astype(int) if n_prose else []
-    for j, i in enumerate(picks):
-        text = docs[int(i)][1]
-        start = text.find("\n", int(len(text) * (0.3 + 0.1 * j))) + 1
-        end = text.rfind("\n", start, start + prose_chars)
-        end = end if end > start else start + prose_chars
-        prompts.append(("prose", text[start:end + 1]))
-    if n_gsm:
-        step = max(1, len(HELDOUT_TEMPLATES) // n_gsm)
-        templates = list(HELDOUT_TEMPLATES)[::step][:n_gsm]
-        for p in generate_problems(data_dir, templates, 1, seed):
-            prompts.append(("gsm", format_prompt(p)))
-    return prompts
+    return ([("prose", p) for p in prose_prompts(data_dir, n_prose, prose_chars, seed)]
+            + [("gsm", p) for p in gsm_prompts(data_dir, n_gsm, seed)])
 
 
 def _unigram_counts(model_dir: Path, tokenizer: Any, data_dir: str | os.PathLike[str] | None,

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from specfit.training.common import write_json
-from specfit.training.corpus import load_corpus
-from specfit.training.gsm import (
+from specfit.data.corpus import load_corpus
+from specfit.data.gsm import (
     TRAIN_TEMPLATES, GenerationReport, format_problem, generate_problems,
 )
 
@@ -43,7 +43,7 @@ def training_documents(data_dir: str | os.PathLike[str] | None, gsm_per_template
     """The training split as documents: (corpus train docs, GSM train problems as text).
 
     Both the tokenizer and the target trainer use this, so they see the same text.
-    GSM problems come only from :data:`~specfit.training.gsm.TRAIN_TEMPLATES`.
+    GSM problems come only from :data:`~specfit.data.gsm.TRAIN_TEMPLATES`.
     """
     corpus = load_corpus(data_dir).train
     problems = generate_problems(data_dir, TRAIN_TEMPLATES, gsm_per_template, seed, report=report)

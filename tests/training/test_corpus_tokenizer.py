@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from specfit.training.common import DataDirError, resolve_data_dir, warmup_cosine_lr
-from specfit.training.corpus import (
+from specfit.data.paths import DataDirError, resolve_data_dir
+from specfit.training.common import warmup_cosine_lr
+from specfit.data.corpus import (
     HELDOUT_DOCUMENTS, clean_kjv, load_corpus, strip_gutenberg,
 )
 

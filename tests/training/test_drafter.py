@@ -16,7 +16,7 @@ from specfit import Engine
 from specfit.plugins.drafters.eagle3.checkpoint import head_config_for, load_head, random_head
 from specfit.plugins.drafters.eagle3.drafter import Eagle3Drafter
 from specfit.plugins.drafters.eagle3.head import KVBuffer
-from specfit.training.common import default_data_dir
+from specfit.data.paths import default_data_dir
 from specfit.training.draft_vocab import build_draft_vocab, token_counts
 from specfit.training.drafter import (
     TrainDrafterConfig, acceptance_length, default_aux_layers, target_batch, train_drafter, ttt_unroll,

@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from specfit.training import gsm
-from specfit.training.common import DataDirError, resolve_data_dir
-from specfit.training.gsm import (
+from specfit.data import gsm
+from specfit.data.paths import DataDirError, resolve_data_dir
+from specfit.data.gsm import (
     HELDOUT_TEMPLATES, TRAIN_TEMPLATES, GenerationReport, SampleRejected, TemplateError,
     format_number, format_problem, generate_problems, parse_template, safe_eval,
 )
