@@ -153,3 +153,20 @@ def test_bad_settings_are_one_line_errors(override, message, tmp_path, capsys):
               f"hydra.run.dir={tmp_path}"])
     err = capsys.readouterr().err.strip()
     assert info.value.code == 2 and message in err and "\n" not in err
+
+
+@pytest.mark.parametrize("cache", ["lru", "none", "full"])
+def test_eagle3_on_a_saved_checkpoint_matches_hf_generate(checkpoint, cache):
+    """The issue's acceptance check: a save_pretrained Qwen3-MoE, a random EAGLE-3 head, every cache."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint).generate(
+        torch.tensor([PROMPT]), max_new_tokens=24, min_new_tokens=24, do_sample=False)[0, len(PROMPT):].tolist()
+    engine = specfit.build(specfit.compose([f"model.path={checkpoint}", "drafter=eagle3", "selector=eagle3", f"cache={cache}",
+                                            "cache.capacity=3", "drafter.top_k=4", "drafter.depth=3",
+                                            "drafter.total_tokens=12"]))
+    out = engine.generate(PROMPT, max_new_tokens=24)
+    assert out.token_ids == reference
+    assert out.stats["spec_decode_acceptance_length"] >= 1.0 and out.stats["verified_nodes_per_cycle"] == 12
+    assert len(out.stats["experts_per_layer_union_by_layer"]) == engine.spec.num_layers
+    assert out.stats["experts_per_layer_union"] > engine.spec.top_k  # a 13-token pass needs more than one token's experts
