@@ -124,6 +124,24 @@ class SamplingConfig:
 
 
 @dataclass
+class TraceConfig:
+    """`specfit record` writes, `specfit replay` reads (method.md section 7)."""
+
+    path: str | None = None  # record: null writes trace/ in the run directory; replay: required
+    overwrite: bool = False  # record: replace a trace already at trace.path
+
+
+@dataclass
+class ReplayConfig:
+    # D, the drafting time charged per cycle: recorded (the trace's time up to the level the selector
+    # stopped at, plus predictor and selector time measured in the replay) | modelled (c_draft0 +
+    # c_level * levels from the calibration: the replay then depends on no clock)
+    draft_time: str = "recorded"
+    warmup: int = 8  # recorded time only: cycles first replayed with throwaway plugins (one-time costs)
+    oracle: bool = True  # also replay selector=oracle per cache and cost model, the reference of every method
+
+
+@dataclass
 class SpecfitConfig:
     model: ModelConfig = MISSING
     drafter: DrafterConfig = MISSING
@@ -147,6 +165,8 @@ class SpecfitConfig:
     workloads: list[str] = field(default_factory=list)
     repeats: int = 1
     baseline: str = "ar"  # speedups are relative to this method (and to eagle3_nocache when present)
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
 
 
 def asset_path(relative: str) -> str:
