@@ -237,8 +237,9 @@ def _check_admission(name: str, slots: np.ndarray, layer: int, wanted: list[int]
     loaded = dict(admission.loads)
     if len(loaded) != len(admission.loads):
         raise PluginError(f"cache '{name}' lists an expert twice in its loads in layer {layer}")
+    wanted_set = set(wanted)
     for expert, slot in admission.slots.items():
-        if expert not in wanted or not 0 <= slot < len(slots):
+        if expert not in wanted_set or not 0 <= slot < len(slots):
             raise PluginError(f"cache '{name}' admitted expert {expert} to slot {slot} in layer {layer}: invalid")
         if expert not in loaded and slots[slot] != expert:
             raise PluginError(f"cache '{name}' claims expert {expert} is resident in layer {layer} slot {slot}, it is not")
