@@ -23,6 +23,7 @@ commands:
   record     write a trace of every position of the greedy output:  specfit record model=tiny trace.path=DIR
   replay     run selectors, caches and cost models over a trace, vs the oracle:
              specfit replay trace.path=DIR selector=specfit predictor=history cache=lru cache.capacity=16
+  report     results.jsonl files or run directories -> report.md with PNG plots
   plugins    list registered plugins (--json for machine-readable output)
   train-tokenizer / train-target / train-drafter
              train a BPE tokenizer, a Qwen3-MoE target, an EAGLE-3 head (for any supported MoE target)
@@ -143,6 +144,20 @@ def _run_hydra(command: str, args: list[str]) -> None:
     app()
 
 
+def _report(args: list[str]) -> None:
+    import argparse
+
+    from specfit.report import write_report
+
+    parser = argparse.ArgumentParser(prog="specfit report", description="results.jsonl files or run directories -> report.md and PNG plots")
+    parser.add_argument("results", nargs="+", help="results.jsonl files, or directories searched for them (a sweep)")
+    parser.add_argument("--out", default=None, help="output directory (default: beside the first results)")
+    ns = parser.parse_args(args)
+    first = Path(ns.results[0])
+    out = Path(ns.out) if ns.out else (first if first.is_dir() else first.parent)
+    print(f"report: {write_report(ns.results, out)}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help", "help"):
@@ -154,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
             from specfit.commands.plugins import run
 
             run(as_json="--json" in rest)
+        elif command == "report":
+            _report(rest)
         elif command in HYDRA_COMMANDS or command in TRAIN_COMMANDS:
             _run_hydra(command, rest)
         else:

@@ -1,0 +1,161 @@
+"""``specfit report``: results files -> a Markdown report with PNG plots.
+
+Reads the JSONL that ``bench`` (or ``demo``, ``generate``, a Hydra sweep of them) wrote: files or
+directories, searched recursively for results.jsonl. Rows are grouped by workload, method and the
+config keys that differ between runs (a sweep's axes), and averaged like the bench table. Plots:
+throughput per method per workload; acceptance length against verified nodes per cycle; the
+cycle-time breakdown (drafting, selection, verification compute, H2D) per generated token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from specfit.errors import ConfigError
+from specfit.results import comparison_table, mean_stats
+
+SWEEP_KEYS_IGNORED = {"prompt", "prompt_ids", "workload", "methods", "method_presets", "workloads", "results_file",
+                      "selector", "drafter", "cost_model", "predictor", "cache.name", "hydra"}
+
+
+def read_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for path in map(Path, paths):
+        files = sorted(path.rglob("results.jsonl")) if path.is_dir() else [path]
+        if not files or not all(f.is_file() for f in files):
+            raise ConfigError(f"report: no results found at {path}")
+        for f in files:
+            for n, line in enumerate(f.read_text().splitlines(), 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as exc:
+                        raise ConfigError(f"report: {f} line {n} is not JSON ({exc.msg})") from exc
+    runs = [r for r in rows if "output_throughput" in r]
+    if not runs:
+        raise ConfigError("report: the results hold no decoding runs (rows with output_throughput)")
+    return runs
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flat(value, name + "."))
+        elif not isinstance(value, list):
+            out[name] = value
+    return out
+
+
+def sweep_axes(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Config keys whose value differs between runs of the same method (what a sweep varied)."""
+    by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by_method[r.get("method", r.get("selector", "run"))].append(_flat(r.get("config", {})))
+    axes: set[str] = set()
+    for configs in by_method.values():
+        keys = set().union(*configs)
+        axes |= {k for k in keys if len({json.dumps(c.get(k)) for c in configs}) > 1}
+    return sorted(k for k in axes if k.split(".")[0] not in SWEEP_KEYS_IGNORED and k not in SWEEP_KEYS_IGNORED)
+
+
+def group(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    axes = sweep_axes(rows)
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        flat = _flat(r.get("config", {}))
+        label = r.get("method") or r.get("selector", "run")
+        key = (r.get("workload", "-"), label, *(json.dumps(flat.get(a)) for a in axes))
+        groups[key].append(r)
+    summary = []
+    for (workload, label, *values), members in groups.items():
+        suffix = ", ".join(f"{a.split('.')[-1]}={json.loads(v)}" for a, v in zip(axes, values))
+        summary.append({**mean_stats(members), "workload": workload, "method": f"{label} ({suffix})" if suffix else label,
+                        "runs": len(members)})
+    return summary
+
+
+def write_report(paths: Sequence[str | Path], out_dir: str | Path) -> Path:
+    rows = read_rows(paths)
+    summary = group(rows)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = ["# specfit report", "", f"{len(rows)} runs from {', '.join(map(str, paths))}.", ""]
+    emulated = any(r.get("h2d_emulated") for r in rows)
+    if emulated:
+        lines += ["H2D times are **emulated** (`cache.copy=emulated`): each copy was charged the reference link's time.", ""]
+    for workload in sorted({s["workload"] for s in summary}):
+        part = [s for s in summary if s["workload"] == workload]
+        lines += [f"## Workload {workload}", "", "```", comparison_table(part, baseline=_baseline(part)), "```", ""]
+    plots = _plots(summary, out)
+    lines += [f"![{name}]({name})" for name in plots]
+    report = out / "report.md"
+    report.write_text("\n".join(lines) + "\n")
+    return report
+
+
+def _baseline(rows: Sequence[dict[str, Any]]) -> str:
+    names = [r["method"] for r in rows]
+    return next((n for n in names if n == "ar" or n.startswith("ar (")), names[0])
+
+
+def _plots(summary: Sequence[dict[str, Any]], out: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []  # plots need the `plots` extra (matplotlib); the Markdown tables stand alone
+    workloads = sorted({s["workload"] for s in summary})
+    methods = list(dict.fromkeys(s["method"] for s in summary))
+    names = []
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(methods) * len(workloads)), 4))
+    width = 0.8 / max(len(methods), 1)
+    for i, method in enumerate(methods):
+        values = [next((s["output_throughput"] for s in summary if s["workload"] == w and s["method"] == method), 0) for w in workloads]
+        ax.bar([x + i * width for x in range(len(workloads))], values, width, label=method)
+    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(workloads))], workloads)
+    ax.set_ylabel("tokens / s")
+    ax.set_title("Throughput per method and workload")
+    ax.legend(fontsize=7)
+    names.append(_save(fig, out, "throughput.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s in summary:
+        ax.scatter(s.get("verified_nodes_per_cycle", 0), s.get("spec_decode_acceptance_length", 0))
+        ax.annotate(f"{s['method']} / {s['workload']}", (s.get("verified_nodes_per_cycle", 0), s.get("spec_decode_acceptance_length", 0)), fontsize=6)
+    ax.set_xlabel("verified nodes per cycle")
+    ax.set_ylabel("acceptance length (tokens per cycle)")
+    ax.set_title("Acceptance length against verified nodes")
+    names.append(_save(fig, out, "acceptance.png"))
+
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(summary)), 4))
+    parts = [("draft_seconds", "drafting"), ("select_seconds", "selection"), ("verify_compute_seconds", "verify compute"),
+             ("h2d_seconds", "H2D")]
+    labels = [f"{s['method']}\n{s['workload']}" for s in summary]
+    bottom = [0.0] * len(summary)
+    for key, label in parts:
+        values = [1e3 * s.get(key, 0.0) / max(s.get("num_output_tokens", 1), 1) for s in summary]
+        ax.bar(range(len(summary)), values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xticks(range(len(summary)), labels, fontsize=6)
+    ax.set_ylabel("ms per generated token")
+    ax.set_title("Cycle time breakdown")
+    ax.legend(fontsize=7)
+    names.append(_save(fig, out, "breakdown.png"))
+    return names
+
+
+def _save(fig: Any, out: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return name
