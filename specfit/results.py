@@ -79,18 +79,28 @@ def comparison_table(rows: Sequence[dict[str, Any]], baseline: str | None = None
     return "\n".join(lines)
 
 
+PER_CYCLE = ("spec_decode_acceptance_length", "experts_per_layer_union", "predictor_recall", "predictor_precision")
+
+
 def mean_stats(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Token-weighted throughput and plain means of the other numeric keys over several prompts."""
+    """Several runs as one: throughput over all tokens and seconds, per-cycle figures weighted by
+    cycles, counts and seconds summed, anything else a plain mean."""
     out: dict[str, Any] = {}
+    cycles = [max(r.get("cycles", 1), 1) for r in runs]
     for key, value in runs[0].items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             out[key] = value
+        elif key in PER_CYCLE or key.endswith("_per_cycle"):
+            out[key] = sum(r.get(key, 0) * c for r, c in zip(runs, cycles)) / sum(cycles)
         else:
-            out[key] = sum(r[key] for r in runs) / len(runs)
+            out[key] = sum(r.get(key, 0) for r in runs) / len(runs)
     tokens = sum(r["num_output_tokens"] for r in runs)
     seconds = sum(r["total_seconds"] for r in runs)
     out["output_throughput"] = tokens / seconds if seconds else 0.0
-    for key in ("expert_cache_hits", "expert_cache_misses", "h2d_bytes", "h2d_seconds", "num_output_tokens"):
+    totals = ("expert_cache_hits", "expert_cache_misses", "h2d_bytes", "h2d_seconds", "num_output_tokens", "total_seconds",
+              "draft_seconds", "select_seconds", "verify_compute_seconds", "cycles", "draft_tokens", "verified_nodes",
+              "accepted_tokens")
+    for key in totals:
         if key in out:
             out[key] = sum(r[key] for r in runs)
     hits, misses = out.get("expert_cache_hits", 0), out.get("expert_cache_misses", 0)
