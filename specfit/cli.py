@@ -27,6 +27,7 @@ commands:
   plugins    list registered plugins (--json for machine-readable output)
   train-tokenizer / train-target / train-drafter
              train a BPE tokenizer, a Qwen3-MoE target, an EAGLE-3 head (for any supported MoE target)
+  eval-target  held-out perplexity against a unigram baseline, and repetition in greedy output
 
 Overrides use Hydra syntax; `specfit <command> --cfg job` shows every key. Docs: docs/user-guide.md
 """
@@ -40,6 +41,7 @@ TRAIN_COMMANDS: dict[str, tuple[str, str, str]] = {
     "train-tokenizer": ("specfit.training.tokenizer", "TrainTokenizerConfig", "train_tokenizer"),
     "train-target": ("specfit.training.target", "TrainTargetConfig", "train_target"),
     "train-drafter": ("specfit.training.drafter", "TrainDrafterConfig", "train_drafter"),
+    "eval-target": ("specfit.training.target", "EvalTargetConfig", "eval_target"),
 }
 
 # Hydra flags that take a value: skipped when pre-validating overrides.

@@ -688,3 +688,34 @@ def config_from_dict(d: dict[str, Any]) -> TrainTargetConfig:
     """A :class:`TrainTargetConfig` from a dict (e.g. ``train_config.json``), ignoring unknown keys."""
     names = {f.name for f in fields(TrainTargetConfig)}
     return TrainTargetConfig(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class EvalTargetConfig:
+    """Settings of ``specfit eval-target`` (the model card's quality figures)."""
+
+    model_dir: str = "runs/demo-target"
+    data_dir: str | None = None
+    seq_len: int = 512
+    max_windows: int = 200
+    gsm_per_template: int = 20
+    n_prompts: int = 10
+    gen_tokens: int = 128
+    threads: int = 2
+    out: str | None = None  # JSON with every figure and the generated samples (default: beside the model)
+
+
+def eval_target(cfg: EvalTargetConfig) -> Path:
+    """Run :func:`evaluate_target`, print the figures the issue's bar is about, store them all."""
+    result = evaluate_target(cfg.model_dir, cfg.data_dir, seq_len=cfg.seq_len, max_windows=cfg.max_windows,
+                             gsm_per_template=cfg.gsm_per_template, n_prompts=cfg.n_prompts,
+                             gen_tokens=cfg.gen_tokens, threads=cfg.threads)
+    for kind in ("prose", "gsm"):
+        print(f"{kind}: perplexity {result[f'{kind}_ppl']:.1f}, unigram {result[f'unigram_{kind}_ppl']:.1f} "
+              f"(ratio {result[f'{kind}_ppl'] / result[f'unigram_{kind}_ppl']:.3f})")
+    print(f"held-out: perplexity {result['heldout_ppl']:.1f}, unigram {result['unigram_ppl']:.1f}, ratio "
+          f"{result['ppl_ratio']:.3f}; repeated 4-grams in {cfg.gen_tokens} greedy tokens: mean "
+          f"{result['repeat4_mean']:.3f}, max {result['repeat4_max']:.3f}; meets the bar: {result['meets_bar']}")
+    out = Path(cfg.out) if cfg.out else Path(cfg.model_dir) / "evaluation.json"
+    write_json(out, result)
+    return out
