@@ -99,17 +99,24 @@ class Eagle3Drafter:
 
     def start(self, prompt_ids: Sequence[int], features: torch.Tensor | None, next_token: int) -> None:
         self.kv = KVBuffer(self.head.cfg.num_key_value_heads, self.head.cfg.head_dim, self.dtype, self.device)
+        self.pending_features, self.pending_tokens = None, []
         self._pending(prompt_ids, features, next_token)
 
     def commit(self, tokens: Sequence[int], features: torch.Tensor | None, next_token: int) -> None:
         self._pending(tokens, features, next_token)
 
     def _pending(self, tokens: Sequence[int], features: torch.Tensor | None, next_token: int) -> None:
-        """Pairs (features at t, token t+1) the head has not seen yet; processed when drafting starts."""
+        """Pairs (features at t, token t+1) the head has not seen yet; processed when drafting starts.
+
+        Appended, not replaced: a cycle that did not draft (the selector skipped speculation) leaves
+        its pairs for the next one."""
         if features is None or features.shape[0] != len(tokens):
             raise RuntimeError("EAGLE-3 needs the target's features for every kept position")
-        self.pending_features = features
-        self.pending_tokens = list(tokens[1:]) + [next_token]
+        if self.pending_features is not None and len(self.pending_tokens):
+            self.pending_features = torch.cat([self.pending_features, features])
+        else:
+            self.pending_features = features
+        self.pending_tokens = list(self.pending_tokens) + list(tokens[1:]) + [next_token]
 
     # ------------------------------------------------------------------ drafting
 
@@ -122,7 +129,7 @@ class Eagle3Drafter:
             positions = torch.arange(committed, committed + len(tokens), device=self.device)
             hidden = head(head.project(self.pending_features.to(self.dtype)), tokens, positions, kv)
             committed = kv.length
-            self.pending_tokens, self.pending_features = [], self.pending_features[:0]
+            self.pending_tokens, self.pending_features = [], None
             root_hidden = hidden[-1]
 
             logp = F.log_softmax(head.logits(root_hidden[None]).float(), dim=-1)[0]
