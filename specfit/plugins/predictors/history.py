@@ -74,21 +74,28 @@ class HistoryPredictor:
             scores = scores + self.pair_weight * pair / pair[0].sum()
         return scores
 
-    def _top_k(self, previous: int | None, token: int) -> np.ndarray:
-        if self.single.get(token) is None:
-            return self.probe.experts([token])[0]
-        scores = self._scores(previous, token)
-        top = np.argpartition(-scores, self.k - 1, axis=1)[:, : self.k]
-        return np.take_along_axis(top, np.argsort(-np.take_along_axis(scores, top, 1), axis=1), 1)
+    def _top_k(self, previous: Sequence[int | None], tokens: Sequence[int]) -> np.ndarray:
+        """int32 [len(tokens), layers, top_k], ordered by score; one vectorised top-k for the tokens
+        with history, one router-probe call for those without."""
+        out = np.empty((len(tokens), self.layers, self.k), dtype=np.int32)
+        seen = [i for i, t in enumerate(tokens) if self.single.get(t) is not None]
+        unseen = [i for i, t in enumerate(tokens) if self.single.get(t) is None]
+        if unseen:
+            out[unseen] = np.stack(self.probe.experts([tokens[i] for i in unseen]))
+        if seen:
+            scores = np.stack([self._scores(previous[i], tokens[i]) for i in seen])  # [n, layers, experts]
+            top = np.argpartition(-scores, self.k - 1, axis=2)[:, :, : self.k]
+            order = np.argsort(-np.take_along_axis(scores, top, 2), axis=2)
+            out[seen] = np.take_along_axis(top, order, 2)
+        return out
 
     def predict(self, tree: DraftTree, nodes: range) -> None:
         rows = tree.expert_rows(self.layers, self.k)
         if tree.root_experts is None:
-            tree.root_experts = self._top_k(self._last_token, tree.root_token).astype(np.int32)
-        for v in nodes:
-            parent = tree.parents[v]
-            previous = tree.root_token if parent == ROOT else tree.tokens[parent]
-            rows[v] = self._top_k(previous, tree.tokens[v])
+            tree.root_experts = self._top_k([self._last_token], [tree.root_token])[0]
+        if len(nodes):
+            previous = [tree.root_token if tree.parents[v] == ROOT else tree.tokens[tree.parents[v]] for v in nodes]
+            rows[list(nodes)] = self._top_k(previous, [tree.tokens[v] for v in nodes])
 
     def observe(self, tokens: Sequence[int], routing: np.ndarray) -> None:
         previous = self._last_token
