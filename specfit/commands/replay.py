@@ -70,6 +70,10 @@ def replay_config(trace: Trace, cfg: DictConfig, name: str, model: Any, draft_ti
             from specfit.plugins.selectors.oracle import OracleSelector
 
             made["selector"], made["predictor"] = OracleSelector(), None
+        elif cfg.get("drafter") is not None and cfg.drafter.name == "none":  # ar: the trees go unused
+            from specfit.plugins.selectors.none import NoDraftSelector
+
+            made["selector"] = NoDraftSelector()
         return made
 
     if warmup > 0:

@@ -182,7 +182,7 @@ class Engine:
         selection = Selection(nodes=[])
         select_seconds = 0.0
         level_seconds: list[float] = []
-        levels = self.drafter.draft(tree)
+        levels = self.drafter.draft(tree) if should_draft(self.selector) else iter(())
         for level in levels:
             if self.predictor is not None:
                 self.predictor.predict(tree, level)
@@ -276,6 +276,12 @@ class Engine:
         if bad:
             raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab})")
         return ids
+
+
+def should_draft(selector: Any) -> bool:
+    """Selectors may skip drafting for a cycle (``should_draft``, optional): the root alone is verified."""
+    gate = getattr(selector, "should_draft", None)
+    return gate is None or bool(gate())
 
 
 def _eos_ids(model: nn.Module, tokenizer: Any) -> set[int]:

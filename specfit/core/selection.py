@@ -8,10 +8,12 @@ only there, so they are compared on equal terms.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
+from specfit.config import SelectorConfig
 from specfit.core.search import SearchProblem, evaluate
 from specfit.core.tree import DraftTree
 from specfit.errors import ConfigError
@@ -49,23 +51,91 @@ class CalibratedAcceptance:
         np.add.at(self.accepted, (d[hit], b[hit]), 1.0)
 
 
+class DraftGate:
+    """The draft-stop rule at level 0: draft in a cycle only while drafting pays.
+
+    Every drafted cycle compares what it committed per predicted second, (1 + accepted) / T(S*),
+    with what a plain pass would have: 1 / C(root only, no drafting). Both sums decay (recent
+    cycles count most). While drafting does not pay, the cycles that follow skip drafting and
+    verify the root alone (an autoregressive step); the gate probes again after 1, 2, 4, ...
+    ``max_backoff`` skipped cycles. Committed tokens are the measured ones, so an overconfident
+    acceptance estimate cannot keep a losing speculation going.
+    """
+
+    def __init__(self, max_backoff: int = 16, decay: float = 0.7) -> None:
+        if max_backoff < 1:
+            raise ConfigError(f"selector.gate_max_backoff={max_backoff} must be >= 1")
+        self.max_backoff, self.decay = max_backoff, decay
+        self.spec_tokens = self.spec_seconds = self.plain_passes = self.plain_seconds = 0.0
+        self.backoff, self.skip_left = 1, 0
+        self.skipped = self.drafted = 0
+
+    def should_draft(self) -> bool:
+        if self.skip_left > 0:
+            self.skip_left -= 1
+            self.skipped += 1
+            return False
+        self.drafted += 1
+        return True
+
+    def observe(self, committed: int, seconds: float, plain_seconds: float) -> None:
+        """A drafted cycle: tokens committed, its predicted seconds, a root-only pass's seconds."""
+        d = self.decay
+        self.spec_tokens = d * self.spec_tokens + committed
+        self.spec_seconds = d * self.spec_seconds + seconds
+        self.plain_passes = d * self.plain_passes + 1.0
+        self.plain_seconds = d * self.plain_seconds + plain_seconds
+        if self.spec_tokens / self.spec_seconds >= self.plain_passes / self.plain_seconds:
+            self.backoff, self.skip_left = 1, 0
+        else:
+            self.skip_left = self.backoff
+            self.backoff = min(2 * self.backoff, self.max_backoff)
+
+
+@dataclass
+class CostAwareConfig(SelectorConfig):
+    """Settings shared by the cost-aware selectors (specfit, greedy, prefix)."""
+
+    acceptance: str = "path_prob"  # path_prob (a_v = P_v) | calibrated (a_v = f(P_v, depth), learned online)
+    early_stop: bool = True  # the draft-stop rule; false drafts every level and selects at the end
+    # D in T(S): the time the cycle has spent (measured) or the cost model's c_draft0 + c_level * depth
+    # (modelled: decisions then depend on no clock, so a replay of a trace reproduces them exactly)
+    draft_time: str = "measured"
+    # skip drafting (verify the root alone) while drafted cycles commit fewer tokens per second than
+    # plain passes would; probe again after up to gate_max_backoff skipped cycles
+    draft_gate: bool = True
+    gate_max_backoff: int = 16
+
+
 class CostAwareSelector:
     """Picks the subtree that maximises predicted throughput N/T by ``choose``, after each level."""
 
     name = "cost_aware"
     requires = ("cost_model", "predictor")  # the engine checks these are configured
 
-    def __init__(self, acceptance: str = "path_prob", early_stop: bool = True, draft_time: str = "measured") -> None:
+    def __init__(self, acceptance: str = "path_prob", early_stop: bool = True, draft_time: str = "measured",
+                 draft_gate: bool = True, gate_max_backoff: int = 16) -> None:
         if acceptance not in ("path_prob", "calibrated"):
             raise ConfigError(f"selector.acceptance={acceptance!r} must be path_prob or calibrated")
         if draft_time not in ("measured", "modelled"):
             raise ConfigError(f"selector.draft_time={draft_time!r} must be measured or modelled")
         self.acceptance, self.early_stop, self.draft_time = acceptance, early_stop, draft_time
         self.calibrator = CalibratedAcceptance() if acceptance == "calibrated" else None
+        self.gate = DraftGate(gate_max_backoff) if draft_gate else None
         self._previous_rho = 0.0
+        self._last: tuple[float, float] | None = None  # (T(S*), C(root only) without drafting) of the last selection
 
     def bind(self, spec: Any) -> None:
         self.spec = spec
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Solve one small problem now, so JIT compilation (or loading its cache) is paid when the
+        engine is built, not by the first decoding cycle."""
+        from specfit.core.search.synthetic import paper_scale_problem
+
+        problem = paper_scale_problem(np.random.default_rng(0), n_nodes=8, layers=2, experts=8, top_k=2)
+        self.choose(problem, np.ones(problem.n_nodes, dtype=bool))
 
     def choose(self, problem: SearchProblem, allowed: np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -95,9 +165,19 @@ class CostAwareSelector:
             loss_of_one_more_level = rho - n_expected / (seconds + cost_model.constants.c_level)
             stop = not uses_newest or (rho - self._previous_rho) <= loss_of_one_more_level
         self._previous_rho = rho
+        plain = evaluate(problem, np.zeros(len(tree), dtype=bool))[1] - problem.draft_time
+        self._last = (seconds, plain)
         return Selection(nodes=np.flatnonzero(mask).tolist(), stop=stop,
                          predicted={"rho": rho, "expected_tokens": n_expected, "seconds": seconds})
+
+    def should_draft(self) -> bool:
+        """Asked by the decode loop before a cycle drafts; False: verify the root alone."""
+        return self.gate is None or self.gate.should_draft()
 
     def observe(self, tree: DraftTree, verified: Sequence[int], accepted: Sequence[int]) -> None:
         if self.calibrator is not None:
             self.calibrator.observe(tree, verified, accepted)
+        if self.gate is not None and self._last is not None:
+            seconds, plain = self._last
+            self.gate.observe(1 + len(accepted), seconds, plain)
+        self._last = None

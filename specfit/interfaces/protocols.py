@@ -121,7 +121,11 @@ class Selection:
 
 @runtime_checkable
 class Selector(Protocol):
-    """Chooses the subtree to verify; called after every draft level."""
+    """Chooses the subtree to verify; called after every draft level.
+
+    Optional: ``should_draft() -> bool``, asked before each cycle drafts; False skips drafting and
+    verifies the root alone (a plain autoregressive step), e.g. while speculation does not pay.
+    """
 
     name: ClassVar[str]
 

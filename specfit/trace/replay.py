@@ -24,6 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from specfit.core.calibration import CostConstants, load_constants
+from specfit.core.engine import should_draft
 from specfit.core.offload import admission_rounds
 from specfit.core.stats import prediction_overlap
 from specfit.core.tree import DraftTree, VerifyBlock, verify_block
@@ -273,7 +274,7 @@ class _Replayer:
         full_path = rec.accepted_path()
         self.target.trace_routing.position = rec
         levels = 0
-        for d in range(1, rec.levels + 1):
+        for d in range(1, (rec.levels if should_draft(self.selector) else 0) + 1):
             nodes = rec.level(d)
             part = slice(nodes.start, nodes.stop)
             level = tree.add_level(rec.parents[part].tolist(), rec.tokens[part].tolist(), rec.log_probs[part].tolist())

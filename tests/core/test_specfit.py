@@ -169,14 +169,53 @@ def _specfit_engine(constants, **selector_kw):
 def test_draft_stop_rule_stops_when_a_level_cannot_pay_and_continues_when_it_can():
     dear = CostConstants(c0=2e-3, c_tok=1e-5, c_miss=1e-5, c_hit=1e-6, c_level=10.0)  # another level costs 10 s
     cheap = CostConstants(c0=2e-3, c_tok=1e-6, c_miss=1e-6, c_hit=1e-7, c_level=0.0)
-    stopped = _specfit_engine(dear).generate(PROMPT, max_new_tokens=16)
+    stopped = _specfit_engine(dear, draft_gate=False).generate(PROMPT, max_new_tokens=16)
     assert all(c.levels == 1 for c in stopped.cycles)
     full = _specfit_engine(cheap, draft_time="modelled").generate(PROMPT, max_new_tokens=16)
     assert max(c.levels for c in full.cycles) == 4
-    no_rule = _specfit_engine(dear, early_stop=False).generate(PROMPT, max_new_tokens=16)
+    no_rule = _specfit_engine(dear, early_stop=False, draft_gate=False).generate(PROMPT, max_new_tokens=16)
     assert all(c.levels == 4 for c in no_rule.cycles)
     for out in (stopped, full, no_rule):
         assert out.token_ids == reference()[len(PROMPT):][:16]
+
+
+def test_draft_gate_skips_drafting_while_it_does_not_pay_and_probes_with_backoff():
+    # drafting a level costs 1 s while a plain pass costs milliseconds: no drafted cycle can pay
+    dear = CostConstants(c0=2e-3, c_tok=1e-5, c_miss=1e-5, c_hit=1e-6, c_level=1.0)
+    engine = _specfit_engine(dear, draft_time="modelled", gate_max_backoff=4)
+    out = engine.generate(PROMPT, max_new_tokens=24)
+    assert out.token_ids == reference()[len(PROMPT):][:24]
+    drafted = [c.levels > 0 for c in out.cycles]
+    # probes after 1, 2, 4, 4, ... skipped cycles
+    runs, count = [], 0
+    for d in drafted[1:]:
+        if d:
+            runs.append(count)
+            count = 0
+        else:
+            count += 1
+    assert drafted[0] and runs[:3] == [1, 2, 4] and set(runs[3:]) <= {4}
+    assert all(c.verified == 0 and c.drafted == 0 for c, d in zip(out.cycles, drafted) if not d)
+
+
+def test_draft_gate_keeps_drafting_while_it_pays():
+    cheap = CostConstants(c0=2e-3, c_tok=1e-6, c_miss=1e-6, c_hit=1e-7, c_level=1e-6)
+    out = _specfit_engine(cheap, draft_time="modelled").generate(PROMPT, max_new_tokens=24)
+    assert all(c.levels > 0 for c in out.cycles)
+    assert out.token_ids == reference()[len(PROMPT):][:24]
+
+
+def test_draft_gate_decides_on_measured_tokens_per_predicted_second():
+    from specfit.core.selection import DraftGate
+
+    gate = DraftGate(max_backoff=8)
+    assert gate.should_draft()
+    gate.observe(committed=3, seconds=0.030, plain_seconds=0.012)  # 100 tok/s drafting vs 83 plain: pays
+    assert gate.should_draft()
+    gate.observe(committed=1, seconds=0.030, plain_seconds=0.012)  # decayed: 4.0 tok / 0.051 s vs 1.7 / 0.0204 s
+    assert not gate.should_draft() and gate.should_draft()  # skip one cycle, then probe
+    with pytest.raises(ConfigError, match="gate_max_backoff"):
+        DraftGate(max_backoff=0)
 
 
 def test_modelled_draft_time_makes_decisions_repeatable():

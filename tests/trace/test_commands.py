@@ -38,12 +38,13 @@ def test_record_writes_a_loadable_trace(trace_dir, capsys):
 
 
 def test_replay_prints_the_table_against_the_oracle(trace_dir, tmp_path, capsys):
-    main(["replay", f"trace.path={trace_dir}", "methods=[eagle3,specfit]", "cache.capacity=4", *COSTS,
+    main(["replay", f"trace.path={trace_dir}", "methods=[ar,eagle3,specfit]", "cache.capacity=4", *COSTS,
           "replay.draft_time=modelled", f"hydra.run.dir={tmp_path}"])
     out = capsys.readouterr().out
     assert "of oracle" in out and "pred tok/s" in out and "positions/s" in out
     rows = {r["method"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
-    assert set(rows) == {"eagle3", "specfit", "oracle"}
+    assert set(rows) == {"ar", "eagle3", "specfit", "oracle"}
+    assert rows["ar"]["draft_levels_per_cycle"] == 0 and rows["ar"]["tokens_per_cycle"] == 1.0
     assert rows["oracle"]["oracle_fraction"] == 1.0 and rows["oracle"]["selector"] == "oracle"
     assert 0 < rows["eagle3"]["oracle_fraction"] <= 1.0
     for r in rows.values():
@@ -53,7 +54,8 @@ def test_replay_prints_the_table_against_the_oracle(trace_dir, tmp_path, capsys)
 
 
 def test_replay_single_method_with_oracle_predictor(trace_dir, tmp_path, capsys):
-    main(["replay", f"trace.path={trace_dir}", "selector=specfit", "predictor=oracle", "cache=none", *COSTS,
+    main(["replay", f"trace.path={trace_dir}", "selector=specfit", "selector.draft_gate=false", "predictor=oracle",
+          "cache=none", *COSTS,
           f"hydra.run.dir={tmp_path}"])
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["method"] for r in rows] == ["specfit", "oracle"]

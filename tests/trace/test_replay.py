@@ -81,10 +81,13 @@ def registered(name: str, **kwargs):
 SELECTORS = {
     "eagle3": lambda: (VerifyAllSelector(), None),
     "chain": lambda: (registered("chain"), None),
-    "specfit": lambda: (SpecFitSelector(draft_time="modelled"), HistoryPredictor()),
-    "specfit_calibrated": lambda: (SpecFitSelector(draft_time="modelled", acceptance="calibrated"), HistoryPredictor()),
-    "greedy": lambda: (registered("greedy", draft_time="modelled"), HistoryPredictor()),
-    "prefix": lambda: (registered("prefix", draft_time="modelled"), HistoryPredictor()),
+    "none": lambda: (registered("none"), None),  # never drafts: autoregressive steps
+    "specfit": lambda: (SpecFitSelector(draft_time="modelled"), HistoryPredictor()),  # with its draft gate
+    "specfit_nogate": lambda: (SpecFitSelector(draft_time="modelled", draft_gate=False), HistoryPredictor()),
+    "specfit_calibrated": lambda: (SpecFitSelector(draft_time="modelled", acceptance="calibrated", draft_gate=False),
+                                   HistoryPredictor()),
+    "greedy": lambda: (registered("greedy", draft_time="modelled", draft_gate=False), HistoryPredictor()),
+    "prefix": lambda: (registered("prefix", draft_time="modelled", draft_gate=False), HistoryPredictor()),
 }
 
 
@@ -144,8 +147,11 @@ def test_replay_reproduces_the_live_run_cycle_by_cycle(references, traces, draft
     charged = [CONSTANTS.cycle_seconds(c.verified, c.misses, c.hits, CONSTANTS.c_draft0 + CONSTANTS.c_level * c.levels)
                for out in live for c in out.cycles]
     assert [c.seconds for c in result.cycles] == pytest.approx(charged, rel=1e-12)
-    if drafter == "scripted":
-        assert result.summary()["tokens_per_cycle"] > 1.5  # acceptance really happens
+    if drafter == "scripted":  # acceptance really happens, or drafting was really skipped (gate, none)
+        skipped = any(c.levels == 0 for c in result.cycles)
+        assert result.summary()["tokens_per_cycle"] > 1.5 or skipped
+    if selector == "none":
+        assert all(c.levels == 0 and c.committed == 1 for c in result.cycles)
 
 
 def test_oracle_verifies_exactly_the_accepted_path_and_bounds_every_selector(traces):
@@ -158,7 +164,7 @@ def test_oracle_verifies_exactly_the_accepted_path_and_bounds_every_selector(tra
         assert c.accepted == len(full) and c.verified == c.accepted  # nothing wasted
         assert c.levels == max(len(full), 1)  # drafting stops once the path is drafted
         best[c.sequence, c.position] = len(full)
-    for selector in ("eagle3", "specfit"):
+    for selector in ("eagle3", "specfit_nogate"):
         sel, pred = SELECTORS[selector]()
         result = replay(trace, sel, LRUCache(capacity=4), UnionCostModel(constants=CONSTANTS), pred,
                         draft_time="modelled", model=tiny_model())

@@ -11,17 +11,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specfit.config import SelectorConfig
 from specfit.core.search import SearchProblem, greedy
-from specfit.core.selection import CostAwareSelector
+from specfit.core.selection import CostAwareConfig, CostAwareSelector
 
 
 @dataclass
-class GreedyConfig(SelectorConfig):
+class GreedyConfig(CostAwareConfig):
     name: str = "greedy"
-    acceptance: str = "path_prob"
-    early_stop: bool = True
-    draft_time: str = "measured"
 
 
 class GreedySelector(CostAwareSelector):

@@ -12,17 +12,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specfit.config import SelectorConfig
 from specfit.core.search import SearchProblem, evaluate
-from specfit.core.selection import CostAwareSelector
+from specfit.core.selection import CostAwareConfig, CostAwareSelector
 
 
 @dataclass
-class PrefixConfig(SelectorConfig):
+class PrefixConfig(CostAwareConfig):
     name: str = "prefix"
-    acceptance: str = "path_prob"
-    early_stop: bool = True
-    draft_time: str = "measured"
 
 
 class PrefixSelector(CostAwareSelector):

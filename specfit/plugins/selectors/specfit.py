@@ -13,19 +13,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specfit.config import SelectorConfig
 from specfit.core.search import SearchProblem, solve
-from specfit.core.selection import CostAwareSelector
+from specfit.core.selection import CostAwareConfig, CostAwareSelector
 
 
 @dataclass
-class SpecFitConfig(SelectorConfig):
+class SpecFitConfig(CostAwareConfig):
     name: str = "specfit"
-    acceptance: str = "path_prob"  # path_prob (a_v = P_v) | calibrated (a_v = f(P_v, depth), learned online)
-    early_stop: bool = True  # the draft-stop rule; false drafts every level and selects at the end
-    # D in T(S): the time the cycle has spent (measured) or the cost model's c_draft0 + c_level * depth
-    # (modelled: decisions then depend on no clock, so a replay of a trace reproduces them exactly)
-    draft_time: str = "measured"
 
 
 class SpecFitSelector(CostAwareSelector):
