@@ -82,6 +82,13 @@ def load_checkpoint(path: str, dtype: str = "auto", attn_implementation: str = "
         path = str(local)
     elif path.startswith((".", "/", "~")) or path.count("/") != 1:
         raise ModelError(f"model.path={path}: no such directory")
+    from transformers.utils import logging as hf_logging
+
+    # a progress bar per load only clutters comparisons of small models (the demo loads one per method)
+    quiet = local.is_dir() and sum(f.stat().st_size for f in local.glob("*.safetensors")) < 2**30
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    if quiet:
+        hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, device_map=None
@@ -89,6 +96,9 @@ def load_checkpoint(path: str, dtype: str = "auto", attn_implementation: str = "
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"model.path={path}: cannot load the checkpoint: {first}") from exc
+    finally:
+        if quiet and bar_was_on:
+            hf_logging.enable_progress_bar()
     return model.eval()
 
 
