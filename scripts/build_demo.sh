@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rebuilds the shipped demo pair (specfit/assets/demo) from ../shared/data, as recorded in
-# docs/model-card.md. On 2 CPU cores: tokenizer ~1 min, target ~1 h, head ~1 h; on a GPU, minutes.
+# docs/model-card.md. On 2 CPU cores: tokenizer ~1 min, target ~1.4 h, head ~40 min; on a GPU, minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SPECFIT=${SPECFIT:-.venv/bin/specfit}
@@ -10,5 +10,5 @@ $SPECFIT train-tokenizer out_dir=runs/demo-tokenizer vocab_size=4096
 $SPECFIT train-target out_dir=runs/demo-target tokenizer_dir=runs/demo-tokenizer \
     max_steps=1800 batch_size=16 seq_len=256 lr=2e-3 warmup_steps=100 threads=$THREADS
 $SPECFIT train-drafter target_dir=runs/demo-target out_dir=runs/demo-eagle3 \
-    aux_layers=[2,4,5] max_steps=1200 batch_size=8 seq_len=256 lr=1e-3 threads=$THREADS
+    aux_layers=[2,4,5] max_steps=1000 batch_size=8 seq_len=256 lr=1e-3 warmup_steps=50 threads=$THREADS
 .venv/bin/python -m specfit.training.export runs/demo-target runs/demo-eagle3 specfit/assets/demo

@@ -15,8 +15,10 @@ TARGET_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
                 "special_tokens_map.json")
 
 
-def export_demo(target_dir: str | Path, head_dir: str | Path, out_dir: str | Path) -> dict[str, int]:
-    """Write ``out_dir/target`` and ``out_dir/eagle3``; returns the bytes of each."""
+def export_demo(target_dir: str | Path, head_dir: str | Path, out_dir: str | Path, data_dir: str | None = None,
+                prompts_per_kind: int = 3) -> dict[str, int]:
+    """Write ``out_dir/target``, ``out_dir/eagle3`` and ``out_dir/prompts.jsonl`` (held-out prose and
+    GSM prompts for ``specfit demo``, so it runs without ../shared/data); returns the bytes of each model."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -35,6 +37,11 @@ def export_demo(target_dir: str | Path, head_dir: str | Path, out_dir: str | Pat
     for extra in ("draft_vocab.json",):
         if (Path(head_dir) / extra).is_file():
             shutil.copy(Path(head_dir) / extra, head_out / extra)
+    from specfit.data.prompts import gsm_prompts, prose_prompts
+
+    prompts = [{"kind": "prose", "prompt": p} for p in prose_prompts(data_dir, prompts_per_kind, 320, seed=7)]
+    prompts += [{"kind": "gsm", "prompt": p} for p in gsm_prompts(data_dir, prompts_per_kind, seed=7)]
+    (out / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
     # check: both load back
     AutoModelForCausalLM.from_pretrained(target_out)
     load_head(head_out)
