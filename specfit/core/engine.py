@@ -225,6 +225,8 @@ class Engine:
         kept_tokens = [block.tokens[p] for p in kept]
         features = result.features[kept] if result.features is not None else None
         self.drafter.commit(kept_tokens, features, acc.bonus)
+        if sampler.params.greedy:
+            tree.greedy_next = acc.bonus
         self.selector.observe(tree, selection.nodes, [block.nodes[p - 1] for p in acc.path])
         if self.predictor is not None:
             self.predictor.observe(kept_tokens, result.routing[kept])

@@ -15,7 +15,7 @@ import numpy as np
 
 from specfit.config import SelectorConfig
 from specfit.core.search import SearchProblem, evaluate
-from specfit.core.tree import DraftTree
+from specfit.core.tree import DraftTree, greedy_outcomes
 from specfit.errors import ConfigError
 from specfit.interfaces import Selection, SelectionContext
 
@@ -42,12 +42,19 @@ class CalibratedAcceptance:
         return (self.accepted[d, b] + self.prior_weight * tree.path_probs()) / (self.seen[d, b] + self.prior_weight)
 
     def observe(self, tree: DraftTree, verified: Sequence[int], accepted: Sequence[int]) -> None:
-        if not verified:
+        """Learn from the verified nodes, or, after a greedy pass (``tree.greedy_next`` set), from
+        every drafted node whose outcome the pass settled (:func:`greedy_outcomes`)."""
+        if tree.greedy_next is not None:
+            outcome = greedy_outcomes(tree, accepted)
+            nodes = np.flatnonzero(outcome >= 0)
+            hit = outcome[nodes] == 1
+        else:
+            nodes = np.asarray(verified, dtype=int)
+            hit = np.isin(nodes, np.asarray(accepted, dtype=int))
+        if not len(nodes):
             return
-        nodes = np.asarray(verified)
         d, b = self._bins(tree, nodes)
         np.add.at(self.seen, (d, b), 1.0)
-        hit = np.isin(nodes, np.asarray(accepted, dtype=int))
         np.add.at(self.accepted, (d[hit], b[hit]), 1.0)
 
 
@@ -62,7 +69,7 @@ class DraftGate:
     acceptance estimate cannot keep a losing speculation going.
     """
 
-    def __init__(self, max_backoff: int = 16, decay: float = 0.7) -> None:
+    def __init__(self, max_backoff: int = 32, decay: float = 0.7) -> None:
         if max_backoff < 1:
             raise ConfigError(f"selector.gate_max_backoff={max_backoff} must be >= 1")
         self.max_backoff, self.decay = max_backoff, decay
@@ -104,7 +111,7 @@ class CostAwareConfig(SelectorConfig):
     # skip drafting (verify the root alone) while drafted cycles commit fewer tokens per second than
     # plain passes would; probe again after up to gate_max_backoff skipped cycles
     draft_gate: bool = True
-    gate_max_backoff: int = 16
+    gate_max_backoff: int = 32
 
 
 class CostAwareSelector:
@@ -114,7 +121,7 @@ class CostAwareSelector:
     requires = ("cost_model", "predictor")  # the engine checks these are configured
 
     def __init__(self, acceptance: str = "path_prob", early_stop: bool = True, draft_time: str = "measured",
-                 draft_gate: bool = True, gate_max_backoff: int = 16) -> None:
+                 draft_gate: bool = True, gate_max_backoff: int = 32) -> None:
         if acceptance not in ("path_prob", "calibrated"):
             raise ConfigError(f"selector.acceptance={acceptance!r} must be path_prob or calibrated")
         if draft_time not in ("measured", "modelled"):

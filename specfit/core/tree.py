@@ -28,6 +28,9 @@ class DraftTree:
     # and for the root, which every pass verifies [layers, top_k].
     experts: np.ndarray | None = None
     root_experts: np.ndarray | None = None
+    # After a greedy verification: the target's token after the accepted path (the bonus). With the
+    # accepted path it settles the acceptance of most unverified nodes too (see greedy_outcomes).
+    greedy_next: int | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -151,3 +154,29 @@ def verify_block(tree: DraftTree, nodes: Sequence[int]) -> VerifyBlock:
         depths=[0] + [tree.depths[v] for v in chosen],
         nodes=chosen,
     )
+
+
+def greedy_outcomes(tree: DraftTree, accepted: Sequence[int]) -> np.ndarray:
+    """Under greedy decoding, whether each drafted node would have been accepted had it been
+    verified: 1 yes, 0 no, -1 unknown. Needs ``tree.greedy_next``.
+
+    The target's argmax is known after the root and after every accepted node (the next accepted
+    token, or the bonus after the last), so every child of those is settled, and so is everything
+    below a rejected node. Only what lies below the one unverified child that matches the bonus
+    stays unknown. Learning acceptance from all drafted nodes, not just verified ones, keeps a
+    selector that verifies little from never learning what it skipped.
+    """
+    if tree.greedy_next is None:
+        raise ValueError("greedy_outcomes needs tree.greedy_next (set after a greedy verification)")
+    path = list(accepted)
+    on_path = set(path)
+    argmax_after = {ROOT: tree.tokens[path[0]] if path else tree.greedy_next}
+    for i, v in enumerate(path):
+        argmax_after[v] = tree.tokens[path[i + 1]] if i + 1 < len(path) else tree.greedy_next
+    out = np.full(len(tree), -1, dtype=np.int8)
+    for v, parent in enumerate(tree.parents):
+        if parent == ROOT or parent in on_path:
+            out[v] = int(tree.tokens[v] == argmax_after[parent])
+        elif out[parent] == 0:
+            out[v] = 0
+    return out

@@ -323,6 +323,7 @@ class _Replayer:
         committed = len(output[start : start + len(path) + 1])
 
         accepted_nodes = [block.nodes[p - 1] for p in path]
+        tree.greedy_next = bonus  # traces are greedy
         self.selector.observe(tree, selection.nodes, accepted_nodes)
         if self.predictor is not None:
             kept = [0] + path

@@ -252,3 +252,21 @@ def test_online_refit_keeps_copy_cost_through_a_window_without_misses():
     assert c.source == "online"
     assert c.c_miss - c.c_hit == pytest.approx(CONSTANTS.c_miss - CONSTANTS.c_hit)
     assert c.c_tok == pytest.approx(CONSTANTS.c_tok, rel=1e-6) and c.c_hit == pytest.approx(CONSTANTS.c_hit, rel=1e-6)
+
+
+def test_calibrated_acceptance_learns_from_unverified_nodes_after_a_greedy_pass():
+    from specfit.core.selection import CalibratedAcceptance
+
+    tree = DraftTree(root_token=0)
+    a, b = tree.add_level([-1, -1], [10, 11], [np.log(0.1), np.log(0.05)])
+    calibrator = CalibratedAcceptance(prior_weight=1.0)
+    before = calibrator.estimate(tree)
+    for _ in range(20):  # nothing verified, but the target's next token was always a's
+        tree.greedy_next = 10
+        calibrator.observe(tree, verified=[], accepted=[])
+    after = calibrator.estimate(tree)
+    assert after[a] > 0.9 > before[a] and after[b] < before[b]
+    tree.greedy_next = None  # sampling: only verified nodes teach
+    seen = calibrator.seen.sum()
+    calibrator.observe(tree, verified=[], accepted=[])
+    assert calibrator.seen.sum() == seen

@@ -1,0 +1,18 @@
+"""Greedy outcomes of drafted nodes: what one verification settles about the rest of the tree."""
+
+from specfit.core.tree import ROOT, DraftTree, greedy_outcomes
+
+
+def test_greedy_outcomes_settle_every_node_the_pass_decides():
+    tree = DraftTree(root_token=0)
+    a, b = tree.add_level([ROOT, ROOT], [10, 11], [-0.1, -2.0])  # root's children
+    c, d, e = tree.add_level([a, a, b], [20, 21, 22], [-0.1, -2.0, -0.5])
+    f, g = tree.add_level([c, e], [30, 31], [-0.1, -0.1])
+    # verified {a}; accepted [a]; the target's token after a is 20 (node c matches, unverified)
+    tree.greedy_next = 20
+    out = greedy_outcomes(tree, [a])
+    assert out.tolist() == [1, 0, 1, 0, 0, -1, 0]  # f lies below c: unknown; g below rejected b
+    tree.greedy_next = 99  # nothing after a matches
+    assert greedy_outcomes(tree, [a]).tolist() == [1, 0, 0, 0, 0, 0, 0]
+    tree.greedy_next = 11  # nothing accepted: the root's argmax is 11 (node b)
+    assert greedy_outcomes(tree, []).tolist() == [0, 1, 0, 0, -1, 0, -1]
