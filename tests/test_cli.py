@@ -98,15 +98,16 @@ def test_console_script_cfg_job_and_plugins():
 
 
 def test_bench_runs_methods_side_by_side(tmp_path, capsys):
-    main(["bench", "model=tiny", "methods=[ar,eagle3_nocache,specfit]", "drafter.top_k=3", "drafter.depth=2",
+    main(["bench", "model=tiny", "methods=[ar,eagle3_nocache,specfit,mine]", "drafter.top_k=3", "drafter.depth=2",
+          '+method_presets.mine=["drafter=eagle3","selector=chain","cache=lru"]',  # a preset given inline
           "drafter.total_tokens=6", "prompt_ids=[5,17,99]", "max_new_tokens=6", "cache.copy=torch",
           "cost_model.c0=0.001", "cost_model.c_tok=0.0001", "cost_model.c_miss=0.0004", "cost_model.c_hit=0.00001",
           f"hydra.run.dir={tmp_path}"])
     out = capsys.readouterr().out
     assert "output tokens identical across methods: yes" in out and "vs eagle3_nc" in out
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert [r["method"] for r in rows] == ["ar", "eagle3_nocache", "specfit"]
-    assert rows[2]["selector"] == "specfit" and "predictor_recall" in rows[2]
+    assert [r["method"] for r in rows] == ["ar", "eagle3_nocache", "specfit", "mine"]
+    assert rows[2]["selector"] == "specfit" and "predictor_recall" in rows[2] and rows[3]["selector"] == "chain"
 
 
 def test_unknown_method_is_named(tmp_path, capsys):
