@@ -92,7 +92,8 @@ class DraftGate:
         self.spec_seconds = d * self.spec_seconds + seconds
         self.plain_passes = d * self.plain_passes + 1.0
         self.plain_seconds = d * self.plain_seconds + plain_seconds
-        if self.spec_tokens / self.spec_seconds >= self.plain_passes / self.plain_seconds:
+        # cross-multiplied: tokens/s drafting >= passes/s plain (a cost model of zeros never gates)
+        if self.spec_tokens * self.plain_seconds >= self.plain_passes * self.spec_seconds:
             self.backoff, self.skip_left = 1, 0
         else:
             self.skip_left = self.backoff
