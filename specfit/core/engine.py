@@ -250,6 +250,9 @@ class Engine:
         )
         if self.cost_model is not None:
             self.cost_model.observe(record)
+        timed = getattr(self.selector, "observe_time", None)  # optional: selectors that learn from cycle times
+        if timed is not None:
+            timed(record.levels > 0, record.committed, record.total_seconds)
         if self.observers:
             trace = CycleTrace(tree, block, result.logits.argmax(dim=-1).tolist(), result.routing, acc.path, acc.bonus,
                                level_seconds, record)

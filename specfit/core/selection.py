@@ -61,12 +61,14 @@ class CalibratedAcceptance:
 class DraftGate:
     """The draft-stop rule at level 0: draft in a cycle only while drafting pays.
 
-    Every drafted cycle compares what it committed per predicted second, (1 + accepted) / T(S*),
-    with what a plain pass would have: 1 / C(root only, no drafting). Both sums decay (recent
-    cycles count most). While drafting does not pay, the cycles that follow skip drafting and
-    verify the root alone (an autoregressive step); the gate probes again after 1, 2, 4, ...
-    ``max_backoff`` skipped cycles. Committed tokens are the measured ones, so an overconfident
-    acceptance estimate cannot keep a losing speculation going.
+    Two decayed streams (recent cycles count most): drafted cycles, with the tokens they committed
+    and their seconds, and plain passes (root only, no drafting), with their seconds. After each
+    drafted cycle the gate compares tokens per second drafting with passes per second plain; while
+    drafting loses, the cycles that follow skip drafting and verify the root alone (an
+    autoregressive step), and the gate probes again after 1, 2, 4, ... ``max_backoff`` skipped
+    cycles. Committed tokens are always the measured ones, so an overconfident acceptance
+    estimate cannot keep a losing speculation going; seconds are measured or predicted (see
+    :meth:`CostAwareSelector.observe_time`).
     """
 
     def __init__(self, max_backoff: int = 32, decay: float = 0.7) -> None:
@@ -85,13 +87,15 @@ class DraftGate:
         self.drafted += 1
         return True
 
-    def observe(self, committed: int, seconds: float, plain_seconds: float) -> None:
-        """A drafted cycle: tokens committed, its predicted seconds, a root-only pass's seconds."""
-        d = self.decay
-        self.spec_tokens = d * self.spec_tokens + committed
-        self.spec_seconds = d * self.spec_seconds + seconds
-        self.plain_passes = d * self.plain_passes + 1.0
-        self.plain_seconds = d * self.plain_seconds + plain_seconds
+    def plain(self, seconds: float) -> None:
+        """A plain pass took (or would take) ``seconds``."""
+        self.plain_passes = self.decay * self.plain_passes + 1.0
+        self.plain_seconds = self.decay * self.plain_seconds + seconds
+
+    def speculated(self, committed: int, seconds: float) -> None:
+        """A drafted cycle committed ``committed`` tokens in ``seconds``; decide the next cycles."""
+        self.spec_tokens = self.decay * self.spec_tokens + committed
+        self.spec_seconds = self.decay * self.spec_seconds + seconds
         # cross-multiplied: tokens/s drafting >= passes/s plain (a cost model of zeros never gates)
         if self.spec_tokens * self.plain_seconds >= self.plain_passes * self.spec_seconds:
             self.backoff, self.skip_left = 1, 0
@@ -185,7 +189,24 @@ class CostAwareSelector:
     def observe(self, tree: DraftTree, verified: Sequence[int], accepted: Sequence[int]) -> None:
         if self.calibrator is not None:
             self.calibrator.observe(tree, verified, accepted)
-        if self.gate is not None and self._last is not None:
-            seconds, plain = self._last
-            self.gate.observe(1 + len(accepted), seconds, plain)
-        self._last = None
+
+    def observe_time(self, drafted: bool, committed: int, seconds: float) -> None:
+        """A finished cycle, for the draft gate: whether it drafted, the tokens it committed and the
+        seconds it took (measured live; the cost model's charge in a trace replay).
+
+        With ``draft_time=modelled`` the gate uses the cost model's predictions instead of
+        ``seconds`` (decisions then depend on no clock). Otherwise plain passes are timed when the
+        gate skips drafting; until one has been, the cost model's C(root only) stands in."""
+        if self.gate is None:
+            return
+        predicted, self._last = self._last, None
+        if not drafted:
+            if self.draft_time == "measured":
+                self.gate.plain(seconds)
+            return
+        if predicted is None:  # drafted, but no selection was made (cannot happen in the decode loop)
+            return
+        predicted_seconds, predicted_plain = predicted
+        if self.draft_time == "modelled" or self.gate.plain_passes == 0.0:
+            self.gate.plain(predicted_plain)
+        self.gate.speculated(committed, predicted_seconds if self.draft_time == "modelled" else seconds)

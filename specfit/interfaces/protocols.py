@@ -125,6 +125,8 @@ class Selector(Protocol):
 
     Optional: ``should_draft() -> bool``, asked before each cycle drafts; False skips drafting and
     verifies the root alone (a plain autoregressive step), e.g. while speculation does not pay.
+    Optional: ``observe_time(drafted, committed, seconds)`` after each cycle, with its wall time
+    (in a trace replay, the seconds the cost model charged).
     """
 
     name: ClassVar[str]

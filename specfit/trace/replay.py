@@ -346,6 +346,9 @@ class _Replayer:
             prediction=prediction_overlap(tree, block, routing) if self.predictor is not None else None,
             diverged=diverged,
         ))
+        timed = getattr(self.selector, "observe_time", None)  # as the engine: the charged seconds
+        if timed is not None:
+            timed(levels > 0, committed, self.cycles[-1].seconds)
         return committed
 
     def _draft_seconds(self, rec: TracePosition, levels: int, overhead: float) -> float:

@@ -205,17 +205,30 @@ def test_draft_gate_keeps_drafting_while_it_pays():
     assert out.token_ids == reference()[len(PROMPT):][:24]
 
 
-def test_draft_gate_decides_on_measured_tokens_per_predicted_second():
+def test_draft_gate_compares_tokens_per_second_drafting_with_plain_passes():
     from specfit.core.selection import DraftGate
 
     gate = DraftGate(max_backoff=8)
     assert gate.should_draft()
-    gate.observe(committed=3, seconds=0.030, plain_seconds=0.012)  # 100 tok/s drafting vs 83 plain: pays
+    gate.plain(0.012)
+    gate.speculated(committed=3, seconds=0.030)  # 100 tok/s drafting vs 83 passes/s: pays
     assert gate.should_draft()
-    gate.observe(committed=1, seconds=0.030, plain_seconds=0.012)  # decayed: 4.0 tok / 0.051 s vs 1.7 / 0.0204 s
+    gate.speculated(committed=1, seconds=0.030)  # decayed: 3.1 tok / 0.051 s = 61 tok/s: loses
     assert not gate.should_draft() and gate.should_draft()  # skip one cycle, then probe
     with pytest.raises(ConfigError, match="gate_max_backoff"):
         DraftGate(max_backoff=0)
+
+
+def test_draft_gate_times_plain_passes_when_drafting_is_measured():
+    selector = SpecFitSelector(gate_max_backoff=2)
+    selector._last = (0.030, 0.001)  # the cost model thinks a plain pass is nearly free
+    selector.observe_time(True, 2, 0.030)  # 67 tok/s drafting vs a predicted 1000 passes/s: skip
+    assert not selector.should_draft()
+    for _ in range(3):  # measured plain passes are slow: 20 passes/s
+        selector.observe_time(False, 1, 0.050)
+    selector._last = (0.030, 0.001)
+    selector.observe_time(True, 2, 0.030)  # 67 tok/s against the measured plain rate now: pays
+    assert selector.should_draft()
 
 
 def test_modelled_draft_time_makes_decisions_repeatable():
