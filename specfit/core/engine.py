@@ -250,9 +250,7 @@ class Engine:
         )
         if self.cost_model is not None:
             self.cost_model.observe(record)
-        timed = getattr(self.selector, "observe_time", None)  # optional: selectors that learn from cycle times
-        if timed is not None:
-            timed(record.levels > 0, record.committed, record.total_seconds)
+        report_time(self.selector, record.levels > 0, record.committed, record.total_seconds)
         if self.observers:
             trace = CycleTrace(tree, block, result.logits.argmax(dim=-1).tolist(), result.routing, acc.path, acc.bonus,
                                level_seconds, record)
@@ -287,6 +285,13 @@ def should_draft(selector: Any) -> bool:
     """Selectors may skip drafting for a cycle (``should_draft``, optional): the root alone is verified."""
     gate = getattr(selector, "should_draft", None)
     return gate is None or bool(gate())
+
+
+def report_time(selector: Any, drafted: bool, committed: int, seconds: float) -> None:
+    """Selectors may learn from each finished cycle's time (``observe_time``, optional)."""
+    timed = getattr(selector, "observe_time", None)
+    if timed is not None:
+        timed(drafted, committed, seconds)
 
 
 def _eos_ids(model: nn.Module, tokenizer: Any) -> set[int]:

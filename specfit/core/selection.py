@@ -77,14 +77,11 @@ class DraftGate:
         self.max_backoff, self.decay = max_backoff, decay
         self.spec_tokens = self.spec_seconds = self.plain_passes = self.plain_seconds = 0.0
         self.backoff, self.skip_left = 1, 0
-        self.skipped = self.drafted = 0
 
     def should_draft(self) -> bool:
         if self.skip_left > 0:
             self.skip_left -= 1
-            self.skipped += 1
             return False
-        self.drafted += 1
         return True
 
     def plain(self, seconds: float) -> None:
@@ -134,7 +131,7 @@ class CostAwareSelector:
         self.acceptance, self.early_stop, self.draft_time = acceptance, early_stop, draft_time
         self.calibrator = CalibratedAcceptance() if acceptance == "calibrated" else None
         self.gate = DraftGate(gate_max_backoff) if draft_gate else None
-        self._previous_rho = 0.0
+        self._previous_rho = self._plain_seconds = 0.0
         self._last: tuple[float, float] | None = None  # (T(S*), C(root only) without drafting) of the last selection
 
     def bind(self, spec: Any) -> None:
@@ -169,16 +166,16 @@ class CostAwareSelector:
         mask = self.choose(problem, allowed)
         n_expected, seconds, rho = evaluate(problem, mask)
         depth = tree.depth
-        if depth == 1:
-            self._previous_rho = evaluate(problem, np.zeros(len(tree), dtype=bool))[2]
+        if depth == 1:  # the root alone: the rho to beat, and a plain pass's seconds (the same at every level)
+            _, root_only, self._previous_rho = evaluate(problem, np.zeros(len(tree), dtype=bool))
+            self._plain_seconds = root_only - problem.draft_time
         stop = depth >= ctx.max_depth
         if self.early_stop and not stop:
             uses_newest = bool(mask[list(tree.level(depth))].any())
             loss_of_one_more_level = rho - n_expected / (seconds + cost_model.constants.c_level)
             stop = not uses_newest or (rho - self._previous_rho) <= loss_of_one_more_level
         self._previous_rho = rho
-        plain = evaluate(problem, np.zeros(len(tree), dtype=bool))[1] - problem.draft_time
-        self._last = (seconds, plain)
+        self._last = (seconds, self._plain_seconds)
         return Selection(nodes=np.flatnonzero(mask).tolist(), stop=stop,
                          predicted={"rho": rho, "expected_tokens": n_expected, "seconds": seconds})
 

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from specfit.core.calibration import CostConstants, load_constants
-from specfit.core.engine import should_draft
+from specfit.core.engine import report_time, should_draft
 from specfit.core.offload import admission_rounds
 from specfit.core.stats import prediction_overlap
 from specfit.core.tree import DraftTree, VerifyBlock, verify_block
@@ -346,9 +346,7 @@ class _Replayer:
             prediction=prediction_overlap(tree, block, routing) if self.predictor is not None else None,
             diverged=diverged,
         ))
-        timed = getattr(self.selector, "observe_time", None)  # as the engine: the charged seconds
-        if timed is not None:
-            timed(levels > 0, committed, self.cycles[-1].seconds)
+        report_time(self.selector, levels > 0, committed, self.cycles[-1].seconds)  # the charged seconds
         return committed
 
     def _draft_seconds(self, rec: TracePosition, levels: int, overhead: float) -> float:

@@ -78,8 +78,9 @@ class HistoryPredictor:
         """int32 [len(tokens), layers, top_k], ordered by score; one vectorised top-k for the tokens
         with history, one router-probe call for those without."""
         out = np.empty((len(tokens), self.layers, self.k), dtype=np.int32)
-        seen = [i for i, t in enumerate(tokens) if self.single.get(t) is not None]
-        unseen = [i for i, t in enumerate(tokens) if self.single.get(t) is None]
+        known = [self.single.get(t) is not None for t in tokens]
+        seen = [i for i, k in enumerate(known) if k]
+        unseen = [i for i, k in enumerate(known) if not k]
         if unseen:
             out[unseen] = np.stack(self.probe.experts([tokens[i] for i in unseen]))
         if seen:
