@@ -9,6 +9,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -71,19 +72,60 @@ def join_documents(texts: Iterable[str], eos: str) -> str:
 
 
 def rng_state() -> dict[str, Any]:
-    """Python, numpy and torch RNG states, for exact resumption from a checkpoint."""
+    """Python, numpy and torch RNG states, for exact resumption from a checkpoint.
+
+    Held as tensors and plain numbers only, so ``state.pt`` loads with ``torch.load(...,
+    weights_only=True)``: a checkpoint is data, never code.
+    """
     import torch
 
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
+    version, mt, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": {"version": int(version), "state": torch.tensor(mt, dtype=torch.int64),
+                       "gauss_next": gauss},
+            "numpy": {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
             "torch": torch.get_rng_state()}
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     import torch
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss_next"]))
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
+
+
+def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A trainer's ``state.pt``, loaded as data only (``weights_only=True``).
+
+    A file holding anything but tensors and plain containers (a pickled object, which could run
+    code while loading, or a checkpoint of an older specfit that pickled numpy state) is refused
+    with one line naming it; nothing in it runs.
+    """
+    import pickle
+
+    import torch
+
+    from specfit.errors import ModelError
+
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported [^.]*", str(exc))
+        why = found.group(0) if found else "not tensors and plain data"
+        raise ModelError(f"{path}: refused to load: loading it could run code ({why}); a checkpoint of an older "
+                         f"specfit cannot be resumed safely: start without resume=true") from exc
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise ModelError(f"{path}: not a readable trainer checkpoint ({type(exc).__name__}: "
+                         f"{str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''})") from exc
+    if not isinstance(state, dict) or not {"model", "optimizer", "step", "rng", "config"} <= set(state):
+        raise ModelError(f"{path}: not a specfit trainer checkpoint (missing model/optimizer/step/rng/config)")
+    return state
 
 
 def truncate_log(log: JsonlLog, step: int) -> None:

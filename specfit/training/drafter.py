@@ -520,7 +520,7 @@ def train_drafter(cfg: TrainDrafterConfig) -> Path:
     import torch
 
     from specfit.plugins.drafters.eagle3.checkpoint import save_head
-    from specfit.training.common import set_rng_state, truncate_log
+    from specfit.training.common import load_state, set_rng_state, truncate_log
     from specfit.training.target import WindowSampler, save_checkpoint
 
     cfg = cfg.resolved()
@@ -536,7 +536,7 @@ def train_drafter(cfg: TrainDrafterConfig) -> Path:
 
     state: dict[str, Any] | None = None
     if cfg.resume and (ckpt_dir / "state.pt").exists():
-        state = torch.load(ckpt_dir / "state.pt", map_location="cpu", weights_only=False)
+        state = load_state(ckpt_dir / "state.pt")
         _check_resume(state["config"], cfg)
     elif not cfg.resume and log.path.exists():
         log.path.unlink()  # a fresh run starts a fresh log

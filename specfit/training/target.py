@@ -29,7 +29,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from specfit.training.common import (
-    JsonlLog, progress_bar, read_text_files, rng_state, set_rng_state, truncate_log, warmup_cosine_lr, write_json,
+    JsonlLog, load_state, progress_bar, read_text_files, rng_state, set_rng_state, truncate_log, warmup_cosine_lr,
+    write_json,
 )
 from specfit.data.paths import default_data_dir
 
@@ -439,15 +440,15 @@ def train_target(cfg: TrainTargetConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     ckpt_dir = out / "checkpoint"
     log = JsonlLog(out / "train_log.jsonl")
-    tokenizer = load_tokenizer(cfg.tokenizer_dir)
 
     state: dict[str, Any] | None = None
     if cfg.resume and (ckpt_dir / "state.pt").exists():
-        state = torch.load(ckpt_dir / "state.pt", map_location="cpu", weights_only=False)
+        state = load_state(ckpt_dir / "state.pt")
         _check_resume_config(state["config"], cfg)
         truncate_log(log, state["step"])
     elif not cfg.resume and (out / "train_log.jsonl").exists():
         (out / "train_log.jsonl").unlink()  # a fresh run starts a fresh log
+    tokenizer = load_tokenizer(cfg.tokenizer_dir)
     write_json(out / "train_config.json", asdict(cfg))
 
     data = prepare_train_data(cfg, tokenizer, out / "data")

@@ -98,8 +98,8 @@ def test_resume_matches_uninterrupted_run(tiny_setup):
     a, b = _train_losses(full), _train_losses(part)
     assert len(a) == 20 and len(b) == 20
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    sa = torch.load(full / "checkpoint" / "state.pt", weights_only=False)
-    sb = torch.load(part / "checkpoint" / "state.pt", weights_only=False)
+    sa = torch.load(full / "checkpoint" / "state.pt", weights_only=True)
+    sb = torch.load(part / "checkpoint" / "state.pt", weights_only=True)
     assert sa["step"] == sb["step"] == 20
     for k in sa["model"]:
         torch.testing.assert_close(sa["model"][k], sb["model"][k], rtol=1e-5, atol=1e-6)
@@ -126,7 +126,7 @@ def _train_until(cfg: TrainTargetConfig, stop_after: int) -> None:
             train_target(cfg)
     finally:
         target.save_checkpoint = original
-    state = torch.load(Path(cfg.out_dir) / "checkpoint" / "state.pt", weights_only=False)
+    state = torch.load(Path(cfg.out_dir) / "checkpoint" / "state.pt", weights_only=True)
     assert state["step"] == stop_after
     with (Path(cfg.out_dir) / "train_log.jsonl").open("a") as fh:
         fh.write(json.dumps({"step": stop_after + 1, "lm_loss": 123.0}) + "\n")

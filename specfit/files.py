@@ -1,0 +1,167 @@
+"""Output files that survive a crash: nothing completed is lost, nothing half-written is read.
+
+Whole files (calibration, trace sequences, a trace's meta.json, report.md) are written to a
+temporary file in the same directory, flushed to disk and renamed over the destination
+(:func:`write_atomic`): a reader sees the old file or the new one, never a part.
+
+JSON-lines results are appended instead (:func:`append_jsonl_lines`), one ``write`` per batch of
+whole lines and an ``fsync`` after it, so each row is on disk as soon as its run completes and
+concurrent jobs of a sweep may share one file. A kill during that write can leave at most the last
+line cut short; :func:`read_jsonl` ignores such a torn last line and the next append cuts it off
+(only a line without its newline is torn: every complete row is kept).
+
+:func:`check_writable` is called before any decoding starts, so a mistyped destination costs
+nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import IO, Any, Callable, Iterable
+
+from specfit.errors import ConfigError
+
+
+def check_writable(path: str | Path, key: str, directory: bool = False) -> Path:
+    """``path`` as a Path, or a :class:`ConfigError` naming ``key`` if nothing can be written there.
+
+    Nothing is created: the nearest existing folder on the way is probed with a temporary file.
+    """
+    path = Path(path).expanduser()
+    if path.exists():
+        if directory and not path.is_dir():
+            raise ConfigError(f"{key}={path} exists and is not a directory")
+        if not directory and path.is_dir():
+            raise ConfigError(f"{key}={path} is a directory, not a file")
+    probe = path if directory else path.parent
+    while not probe.exists():
+        if probe.is_symlink():  # a dangling link: writing through it would fail
+            raise ConfigError(f"{key}={path}: {probe} is a broken symbolic link")
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"{key}={path}: {probe} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=probe, prefix=".specfit-write-check-"):
+            pass
+        if path.is_file():
+            with path.open("ab"):
+                pass
+    except OSError as exc:
+        raise ConfigError(f"{key}={path}: cannot write there ({exc.strerror or exc})") from exc
+    return path
+
+
+def write_atomic(path: str | Path, data: str | bytes | Callable[[IO[bytes]], None]) -> Path:
+    """Write ``data`` (text, bytes, or a function that writes to a binary file) to ``path`` atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable (POSIX); a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temporaries(folder: Path) -> None:
+    """Delete temporary files an interrupted :func:`write_atomic` left in ``folder``."""
+    for tmp in folder.glob(".*.tmp"):
+        if tmp.is_file() and not tmp.name.startswith(".specfit-write-check-"):
+            tmp.unlink(missing_ok=True)
+
+
+def append_jsonl_lines(path: str | Path, rows: Iterable[dict[str, Any]], default: Callable[[Any], Any] = str) -> Path:
+    """Append ``rows`` as JSON lines and fsync, cutting off a torn last line a crash left first."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = "".join(json.dumps(row, default=default) + "\n" for row in rows).encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+    try:
+        _cut_torn_tail(fd, path)
+        while data:
+            data = data[os.write(fd, data):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return path
+
+
+def _cut_torn_tail(fd: int, path: Path) -> None:
+    size = os.fstat(fd).st_size
+    if not size or os.pread(fd, 1, size - 1) == b"\n":
+        return
+    start = max(0, size - (1 << 20))
+    tail = os.pread(fd, size - start, start)
+    keep = start + tail.rfind(b"\n") + 1 if b"\n" in tail else start
+    if _parses(tail[keep - start:]):  # a complete row whose newline is missing (written by hand): keep it
+        os.write(fd, b"\n")
+        return
+    os.ftruncate(fd, keep)
+    print(f"specfit: {path}: dropped an incomplete last line (a write was interrupted)", file=sys.stderr)
+
+
+def _parses(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line.decode("utf-8")), dict)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+
+
+def read_jsonl(path: str | Path, key: str = "results_file") -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file; a torn last line (no newline, not JSON) is ignored.
+
+    Anything else that is not a JSON object is a :class:`ConfigError` naming the file and line.
+    """
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{key}={path}: not UTF-8 text (byte {exc.start}); not a specfit results file") from exc
+    except OSError as exc:
+        raise ConfigError(f"{key}={path}: cannot read it ({exc.strerror or exc})") from exc
+    lines = text.split("\n")
+    torn = lines.pop()  # "" when the file ends with a newline
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            rows.append(_row(line, path, n, key))
+    if torn.strip() and _parses(torn.encode("utf-8")):
+        rows.append(json.loads(torn))
+    return rows
+
+
+def _row(line: str, path: Path, n: int, key: str) -> dict[str, Any]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{key}={path}: line {n} is not JSON ({exc.msg})") from exc
+    if not isinstance(row, dict):
+        raise ConfigError(f"{key}={path}: line {n} is not a JSON object")
+    return row
