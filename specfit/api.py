@@ -14,6 +14,8 @@ from specfit.core.copy_engines import LinkSettings
 from specfit.core.engine import Engine
 from specfit.core.loading import load_target
 from specfit.core.sampling import SamplingParams
+from specfit.config import check_config
+from specfit.errors import ConfigError
 from specfit.registry import get_plugins
 
 
@@ -23,12 +25,15 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
     A cost model with ``calibration=auto`` gets this setup's stored constants, measured now (and
     stored) the first time (unless ``calibrate_now`` is false: `specfit calibrate` measures itself).
     """
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"build() takes the config specfit.compose() returns, got {type(cfg).__name__}")
+    check_config(cfg)  # a config changed after compose() gets the same checks
     plugins = get_plugins()
-    loaded = load_target(OmegaConf.to_object(cfg.model))
     parts: dict[str, Any] = {}
-    for kind in ("drafter", "selector", "cost_model", "predictor", "cache"):
+    for kind in ("drafter", "selector", "cost_model", "predictor", "cache"):  # before the model: fail fast
         node = cfg.get(kind)
         parts[kind] = plugins[kind].create(node) if node is not None else None
+    loaded = load_target(OmegaConf.to_object(cfg.model))
     cache_cfg = cfg.cache
     engine = Engine(
         loaded.model,
@@ -41,6 +46,7 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
         stop_token_ids=list(cfg.stop_token_ids),
         ignore_eos=cfg.ignore_eos,
         draft_head=cfg.model.draft_head,
+        max_model_len=cfg.model.get("max_model_len"),
         info={"model": loaded.source},
         **parts,
     )

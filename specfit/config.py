@@ -8,6 +8,7 @@ or a wrong type fails at composition. ``model`` and ``workload`` are plain group
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -15,8 +16,10 @@ from omegaconf import MISSING, DictConfig
 
 from specfit.core.link_profiles import DEFAULT_PROFILE
 from specfit.errors import ConfigError
+from specfit.validation import optional_integer
 
 CONFIG_MODULE = "specfit.conf"
+COPY_KINDS = ("triton", "torch", "emulated")  # cache.copy (specfit.core.copy_engines builds them)
 
 
 # --------------------------------------------------------------------------- plugin group bases
@@ -63,10 +66,19 @@ class LinkConfig:
 class CacheConfig(PluginConfig):
     """Expert cache: a residency policy plus the slots and copy engine it runs on."""
 
-    capacity: int | None = None  # device slots per MoE layer (experts)
+    # device slots per MoE layer (experts); more than the layer has is clamped to all of them (a full
+    # cache), as one capacity can then be swept over models with different expert counts
+    capacity: int | None = None
     capacity_bytes: int | None = None  # alternative: device bytes for all layers' slots
     copy: str = "torch"  # triton | torch | emulated
     link: LinkConfig = field(default_factory=LinkConfig)
+
+    def __post_init__(self) -> None:
+        """Runs when the registry builds the cache (OmegaConf.to_object): values the schema cannot check."""
+        optional_integer("cache.capacity", self.capacity, minimum=1)
+        optional_integer("cache.capacity_bytes", self.capacity_bytes, minimum=1)
+        if self.copy not in COPY_KINDS:
+            raise ConfigError(f"unknown copy engine cache.copy={self.copy!r}; valid values: {', '.join(COPY_KINDS)}")
 
 
 PLUGIN_BASES: dict[str, type[PluginConfig]] = {
@@ -93,6 +105,7 @@ class ModelConfig:
     attn_implementation: str = "sdpa"  # sdpa | eager
     seed: int = 0  # weights of built-in models
     draft_head: str | None = None  # an EAGLE-3 head trained for this target: drafter=eagle3 uses it by default
+    max_model_len: int | None = None  # context limit (prompt + output); null: the model's max_position_embeddings
 
 
 @dataclass
@@ -153,6 +166,7 @@ class SpecfitConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prompt: str | None = None
     prompt_ids: list[int] | None = None
+    prompt_file: str | None = None  # the prompt as UTF-8 text from a file ("-": standard input); no quoting needed
     max_new_tokens: int = 64
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -167,6 +181,7 @@ class SpecfitConfig:
     baseline: str = "ar"  # speedups are relative to this method (and to eagle3_nocache when present)
     trace: TraceConfig = field(default_factory=TraceConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    verbose: bool = False  # errors with their full traceback (as HYDRA_FULL_ERROR=1 does), not one line
 
 
 def asset_path(relative: str) -> str:
@@ -200,13 +215,91 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictC
     from specfit.registry import get_plugins
 
     get_plugins()
+    if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):
+        raise ConfigError(f"compose(overrides=...) takes a list of 'key=value' strings, got {overrides!r:.60}")
     try:
         if GlobalHydra.instance().is_initialized():
-            return hydra_compose(config_name=config_name, overrides=list(overrides))
-        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-            return hydra_compose(config_name=config_name, overrides=list(overrides))
+            cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
+        else:
+            with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+                cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
     except Exception as exc:  # hydra/omegaconf raise many types; all are config mistakes here
         raise ConfigError(one_line_config_error(exc)) from exc
+    check_config(cfg)
+    return cfg
+
+
+# --------------------------------------------------------------------------- checks after composition
+
+
+def check_config(cfg: DictConfig) -> None:
+    """What composition lets through: keys added with ``+`` or removed with ``~``, and values.
+
+    Hydra's ``+key=value`` adds a key even to a typed node, where it would be silently ignored (or
+    break deep inside); every value of the main config is checked here, before any model is built.
+    Plugin configs run their own ``__post_init__`` checks.
+    """
+    from omegaconf import OmegaConf
+
+    _check_keys(cfg, "")
+    if not isinstance(cfg, DictConfig) or OmegaConf.get_type(cfg) is not SpecfitConfig:
+        return  # the trainers' configs: their dataclasses check themselves
+    try:
+        _check_values(cfg)
+    except ConfigError:
+        raise
+    except Exception as exc:  # an interpolation that does not resolve, a value of the wrong type
+        raise ConfigError(one_line_config_error(exc)) from exc
+
+
+def _check_keys(node: Any, prefix: str) -> None:
+    import dataclasses
+    import difflib
+
+    from omegaconf import OmegaConf
+
+    if not isinstance(node, DictConfig) or node._is_none() or node._is_missing():
+        return
+    schema = OmegaConf.get_type(node)
+    if dataclasses.is_dataclass(schema):
+        fields = {f.name: f for f in dataclasses.fields(schema)}
+        for key in node.keys():
+            if key not in fields:
+                near = difflib.get_close_matches(str(key), list(fields), n=1)
+                hint = f"; did you mean {prefix}{near[0]}?" if near else ""
+                raise ConfigError(f"unknown config key '{prefix}{key}' ({schema.__name__} has no such field{hint}); "
+                                  f"`specfit <command> --cfg job` lists the keys")
+        for name, f in fields.items():
+            if name not in node and "None" not in str(f.type):
+                raise ConfigError(f"config key '{prefix}{name}' is required (was it removed with ~{prefix}{name}?)")
+    for key in node.keys():
+        if not OmegaConf.is_missing(node, key) and not OmegaConf.is_interpolation(node, key):
+            _check_keys(node._get_node(key), f"{prefix}{key}.")
+
+
+def _check_values(cfg: DictConfig) -> None:
+    from omegaconf import OmegaConf
+
+    from specfit.core.sampling import SamplingParams
+    from specfit.validation import integer, token_ids
+
+    integer("max_new_tokens", cfg.max_new_tokens, minimum=1)
+    integer("repeats", cfg.repeats, minimum=1)
+    if cfg.prompt_ids is not None:
+        token_ids("prompt_ids", cfg.prompt_ids, allow_empty=False)
+    token_ids("stop_token_ids", cfg.stop_token_ids)
+    given = [k for k in ("prompt", "prompt_ids", "prompt_file") if cfg.get(k) is not None]
+    if len(given) > 1:
+        raise ConfigError(f"give one of prompt, prompt_ids and prompt_file, not {' and '.join(given)}")
+    SamplingParams(**OmegaConf.to_container(cfg.sampling))
+    for method in cfg.methods:
+        if method not in cfg.method_presets:
+            raise ConfigError(f"methods: {method!r} has no entry in method_presets "
+                              f"(known: {', '.join(cfg.method_presets)})")
+    for kind in PLUGIN_BASES:
+        node = cfg.get(kind)
+        if node is not None:
+            OmegaConf.to_object(node)  # the plugin config's own __post_init__ checks
 
 
 def one_line_config_error(exc: BaseException) -> str:
@@ -216,9 +309,16 @@ def one_line_config_error(exc: BaseException) -> str:
     while err is not None:
         for line in str(err).splitlines():
             line = line.strip()
-            if not line or line.startswith(("full_key:", "object_type=", "reference_type=", "Set the environment")):
+            if not line or line.startswith(_NOISE):
                 continue
-            if line not in seen:
+            line = _APPEND_HINT.sub("", line).strip()  # `+key=value` would now be refused too
+            if line and line not in seen:
                 seen.append(line)
         err = err.__cause__
     return " ".join(seen) or type(exc).__name__
+
+
+# lines of Hydra/OmegaConf messages that name no problem (the search path lists every provider)
+_NOISE = ("full_key:", "object_type=", "reference_type=", "Set the environment", "Config search path",
+          "provider=")
+_APPEND_HINT = re.compile(r"\s*To append to your config use \+\S+")

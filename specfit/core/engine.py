@@ -13,6 +13,7 @@ from typing import Any, Protocol, Sequence
 import torch
 from torch import nn
 
+from specfit.core import guard
 from specfit.core.acceptance import Acceptance, accept
 from specfit.core.copy_engines import CopyEngine, LinkSettings, make_copy_engine
 from specfit.core.offload import OffloadRuntime
@@ -20,8 +21,9 @@ from specfit.core.sampling import Sampler, SamplingParams
 from specfit.core.stats import CycleRecord, RunStats, prediction_overlap
 from specfit.core.target import Target
 from specfit.core.tree import DraftTree, verify_block
-from specfit.errors import ConfigError, PluginError
+from specfit.errors import ConfigError
 from specfit.registry import check_plugin_instance
+from specfit.validation import check_engine_args, device_arg, token_ids
 from specfit.interfaces import Selection, SelectionContext
 
 
@@ -52,6 +54,8 @@ class GenerationOutput:
     stats: dict[str, Any]  # the results.jsonl keys
     prompt_ids: list[int] = field(default_factory=list)
     cycles: list[CycleRecord] = field(default_factory=list)
+    # "stop": a stop token ended it; "length": max_new_tokens or the context limit did (as vLLM reports it)
+    finish_reason: str = "length"
 
 
 def default_device() -> torch.device:
@@ -84,11 +88,13 @@ class Engine:
         ignore_eos: bool = False,
         draft_head: str | None = None,
         info: dict[str, Any] | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         from specfit.registry import get_plugins
 
         builtin = get_plugins()
-        self.device = torch.device(device) if device is not None else default_device()
+        check_engine_args(model, max_new_tokens, sampling)
+        self.device = device_arg(device) if device is not None else default_device()
         self.copy_engine = copy if not isinstance(copy, str) else make_copy_engine(copy, self.device, link)
         cache = cache if cache is not None else builtin["cache"].get("lru").cls()
         self.runtime = OffloadRuntime(model, cache, self.copy_engine, self.device)
@@ -110,19 +116,26 @@ class Engine:
             if getattr(self, needed) is None:
                 raise ConfigError(f"selector={self.selector.name} needs a {needed}: set {needed}=..."
                                   f" (e.g. {'cost_model=union' if needed == 'cost_model' else 'predictor=history'})")
-        self.drafter.bind(self.target)
-        self.target.feature_layers = tuple(self.drafter.feature_layers())
-        self.selector.bind(self.spec)
-        for part in (cost_model, predictor):
-            if part is not None:
-                part.bind(self.spec if part is cost_model else self.target)
+        # Plug-ins are called through specfit.core.guard: their errors and bad values name them.
+        guard.call("drafter", self.drafter, "bind", self.target)
+        self.target.feature_layers = guard.feature_layers(self.drafter, getattr(model.config, "num_hidden_layers", None))
+        for limit in ("depth", "total_tokens"):  # read every cycle: sizes of what the selector may choose
+            guard.check_count("drafter", self.drafter, "bind", getattr(self.drafter, limit), f"drafter.{limit}")
+        self._vocab = int(model.config.vocab_size)  # draft tokens must be target token ids
+        guard.call("selector", self.selector, "bind", self.spec)
+        if cost_model is not None:
+            guard.call("cost_model", cost_model, "bind", self.spec)
+        if predictor is not None:
+            guard.call("predictor", predictor, "bind", self.target)
         self.observers: list[CycleObserver] = []
         # Commit at most this many accepted draft tokens per cycle (None: all). Trace recording
         # sets 0 to visit every position of the greedy output; greedy decoding only.
         self.accept_limit: int | None = None
         self.sampling = sampling or SamplingParams()
         self.max_new_tokens = max_new_tokens
-        self.stop_token_ids = set(stop_token_ids)
+        # prompt + output never exceed this (None: the model states no limit)
+        self.max_model_len = context_limit(model.config, max_model_len)
+        self.stop_token_ids = set(token_ids("stop_token_ids", stop_token_ids, model.config.vocab_size))
         if not ignore_eos:
             self.stop_token_ids |= _eos_ids(model, tokenizer)
         self.info = {
@@ -146,8 +159,8 @@ class Engine:
         """Decode from ``prompt`` (text needs a tokenizer; token ids always work)."""
         ids = self._encode(prompt)
         limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        if limit < 1:
-            raise ConfigError(f"max_new_tokens={limit} must be at least 1")
+        check_engine_args(self.model, limit, sampling)
+        self._check_prompt_fits(len(ids))
         sampler = Sampler(sampling or self.sampling)
         stats = RunStats(prompt_tokens=len(ids), info=dict(self.info))
         out: list[int] = []
@@ -155,59 +168,80 @@ class Engine:
             start = _now(self.device)
             prefill = self.target.prefill(ids)
             out.append(sampler.next_token(prefill.logits[-1]))
-            self.drafter.start(ids, prefill.features, out[-1])
+            guard.call("drafter", self.drafter, "start", ids, prefill.features, out[-1])
             if self.predictor is not None:
-                self.predictor.observe(ids, prefill.routing)  # the prompt's routing: a free warm start
+                guard.call("predictor", self.predictor, "observe", ids, prefill.routing)  # the prompt's routing: a free warm start
             for observer in self.observers:
                 observer.on_prefill(ids, prefill.routing, out[-1])
             stats.prefill_seconds = _now(self.device) - start
             decode_start = self.runtime.stats.copy()
-            while len(out) < limit and out[-1] not in self.stop_token_ids:
-                record, tokens = self._cycle(out[-1], sampler)
-                tokens = self._truncate(tokens, limit - len(out))
+            while out[-1] not in self.stop_token_ids:
+                context_room = self._context_room(len(ids) + len(out))
+                room = limit - len(out) if context_room is None else min(limit - len(out), context_room)
+                if room <= 0:
+                    break
+                record, tokens = self._cycle(out[-1], sampler, context_room)
+                tokens = self._truncate(tokens, room)
                 record.committed = len(tokens)
                 out.extend(tokens)
                 stats.cycles.append(record)
             stats.total_seconds = _now(self.device) - start
             stats.cache = self.runtime.stats.since(decode_start)
         stats.output_tokens = len(out)
+        stats.finish_reason = "stop" if out[-1] in self.stop_token_ids else "length"
         text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else None
-        return GenerationOutput(out, text, stats.summary(), prompt_ids=ids, cycles=stats.cycles)
+        return GenerationOutput(out, text, stats.summary(), prompt_ids=ids, cycles=stats.cycles,
+                                finish_reason=stats.finish_reason)
+
+    def _check_prompt_fits(self, prompt_tokens: int) -> None:
+        """A prompt must leave room for at least one new token within the context limit."""
+        if self.max_model_len is not None and prompt_tokens >= self.max_model_len:
+            raise ConfigError(f"the prompt has {prompt_tokens} tokens, but the context limit (model.max_model_len, "
+                              f"else the model's max_position_embeddings) is {self.max_model_len}: no room for a new "
+                              f"token; shorten the prompt")
+
+    def _context_room(self, sequence_tokens: int) -> int | None:
+        """Tokens that may still be committed after ``sequence_tokens`` (prompt + output); None: no limit.
+
+        The newest token sits at position ``sequence_tokens - 1`` and is the root of the next draft
+        tree, so a draft node of depth d would sit at ``sequence_tokens - 1 + d``: depths up to
+        this room keep every verified token inside the context."""
+        return None if self.max_model_len is None else self.max_model_len - sequence_tokens
 
     # ------------------------------------------------------------------ one cycle
 
-    def _cycle(self, root: int, sampler: Sampler) -> tuple[CycleRecord, list[int]]:
+    def _cycle(self, root: int, sampler: Sampler, room: int | None = None) -> tuple[CycleRecord, list[int]]:
+        """One draft-select-verify cycle; ``room``: the deepest draft level the context has room for."""
         t0 = _now(self.device)
         tree = DraftTree(root_token=root)
         selection = Selection(nodes=[])
         select_seconds = 0.0
         level_seconds: list[float] = []
-        levels = self.drafter.draft(tree) if should_draft(self.selector) else iter(())
+        levels = guard.drafted_levels(self.drafter, tree, self._vocab) if should_draft(self.selector) else iter(())
         for level in levels:
             if self.predictor is not None:
-                self.predictor.predict(tree, level)
+                guard.call("predictor", self.predictor, "predict", tree, level)
+                guard.check_predicted_experts(self.predictor, tree, self.spec.num_layers, self.spec.top_k,
+                                              self.spec.num_experts)
             t_sel = _now(self.device)
             level_seconds.append(t_sel - t0 - select_seconds)
             ctx = SelectionContext(
                 resident=self.runtime.resident(),
                 draft_seconds=t_sel - t0,  # everything this cycle has spent so far
-                max_depth=self.drafter.depth,
+                max_depth=self.drafter.depth if room is None else min(self.drafter.depth, room),
                 max_nodes=self.drafter.total_tokens,
                 cost_model=self.cost_model,
             )
-            selection = self.selector.select(tree, ctx)
+            selection = guard.check_selection(self.selector, tree, guard.call("selector", self.selector, "select", tree, ctx))
             select_seconds += _now(self.device) - t_sel
-            if selection.stop:
+            if selection.stop or (room is not None and tree.depth >= room):  # never draft past the context
                 break
         if hasattr(levels, "close"):
             levels.close()  # the drafter tidies up (drops its tree KV) now, not when garbage-collected
         t_verify = _now(self.device)
         draft_seconds = t_verify - t0 - select_seconds
 
-        try:
-            block = verify_block(tree, selection.nodes)
-        except ValueError as exc:
-            raise PluginError(f"selector '{self.selector.name}' chose nodes that are not a valid subtree: {exc}") from exc
+        block = verify_block(tree, selection.nodes)  # checked by guard.check_selection
         before = self.runtime.stats.copy()
         prefix = self.target.kv_len
         result = self.target.verify(block)
@@ -224,12 +258,12 @@ class Engine:
 
         kept_tokens = [block.tokens[p] for p in kept]
         features = result.features[kept] if result.features is not None else None
-        self.drafter.commit(kept_tokens, features, acc.bonus)
+        guard.call("drafter", self.drafter, "commit", kept_tokens, features, acc.bonus)
         if sampler.params.greedy:
             tree.greedy_next = acc.bonus
-        self.selector.observe(tree, selection.nodes, [block.nodes[p - 1] for p in acc.path])
+        guard.call("selector", self.selector, "observe", tree, selection.nodes, [block.nodes[p - 1] for p in acc.path])
         if self.predictor is not None:
-            self.predictor.observe(kept_tokens, result.routing[kept])
+            guard.call("predictor", self.predictor, "observe", kept_tokens, result.routing[kept])
         quality = prediction_overlap(tree, block, result.routing)
         record = CycleRecord(
             drafted=len(tree),
@@ -249,7 +283,7 @@ class Engine:
             prediction=quality,
         )
         if self.cost_model is not None:
-            self.cost_model.observe(record)
+            guard.call("cost_model", self.cost_model, "observe", record)
         report_time(self.selector, record.levels > 0, record.committed, record.total_seconds)
         if self.observers:
             trace = CycleTrace(tree, block, result.logits.argmax(dim=-1).tolist(), result.routing, acc.path, acc.bonus,
@@ -271,27 +305,39 @@ class Engine:
                 raise ConfigError("this model has no tokenizer: give the prompt as token ids (prompt_ids=[...])")
             ids = self.tokenizer(prompt)["input_ids"]  # the tokenizer's own defaults (BOS where it adds one)
         else:
-            ids = [int(t) for t in prompt]
+            ids = token_ids("prompt", prompt)  # ints only: no floats, bools, strings or nested lists
         if not ids:
             raise ConfigError("the prompt is empty")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab})")
-        return ids
+        return token_ids("prompt", ids, self.model.config.vocab_size)
+
+
+def context_limit(config: Any, override: int | None = None) -> int | None:
+    """The most tokens (prompt + output) the target holds: ``max_position_embeddings`` of its config,
+    or a smaller ``override`` (``model.max_model_len``, as in vLLM); None when neither is known."""
+    native = getattr(config, "max_position_embeddings", None)
+    native = int(native) if isinstance(native, int) and native > 0 else None
+    if override is None:
+        return native
+    if isinstance(override, bool) or not isinstance(override, int) or override < 2:
+        raise ConfigError(f"model.max_model_len={override!r} must be an integer >= 2 (a prompt token and a new one)")
+    if native is not None and override > native:
+        raise ConfigError(f"model.max_model_len={override} exceeds the model's context limit "
+                          f"(max_position_embeddings={native})")
+    return override
 
 
 def should_draft(selector: Any) -> bool:
     """Selectors may skip drafting for a cycle (``should_draft``, optional): the root alone is verified."""
-    gate = getattr(selector, "should_draft", None)
-    return gate is None or bool(gate())
+    if getattr(selector, "should_draft", None) is None:
+        return True
+    answer = guard.call("selector", selector, "should_draft")
+    return guard.check_flag("selector", selector, "should_draft", answer, "the answer")
 
 
 def report_time(selector: Any, drafted: bool, committed: int, seconds: float) -> None:
     """Selectors may learn from each finished cycle's time (``observe_time``, optional)."""
-    timed = getattr(selector, "observe_time", None)
-    if timed is not None:
-        timed(drafted, committed, seconds)
+    if getattr(selector, "observe_time", None) is not None:
+        guard.call("selector", selector, "observe_time", drafted, committed, seconds)
 
 
 def _eos_ids(model: nn.Module, tokenizer: Any) -> set[int]:

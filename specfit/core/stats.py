@@ -59,6 +59,7 @@ class RunStats:
     cycles: list[CycleRecord] = field(default_factory=list)
     cache: CacheStats | None = None  # decode phase only (prefill excluded)
     info: dict[str, Any] = field(default_factory=dict)  # engine description (cache, copy engine, ...)
+    finish_reason: str = "length"  # "stop" (a stop token) | "length" (max_new_tokens or the context limit)
 
     def summary(self) -> dict[str, Any]:
         cycles = self.cycles
@@ -69,6 +70,7 @@ class RunStats:
         return {
             "num_prompt_tokens": self.prompt_tokens,
             "num_output_tokens": self.output_tokens,
+            "finish_reason": self.finish_reason,
             "total_seconds": self.total_seconds,
             "ttft_ms": 1e3 * self.prefill_seconds,
             "output_throughput": self.output_tokens / self.total_seconds if self.total_seconds > 0 else 0.0,

@@ -151,15 +151,25 @@ class KVBuffer:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         n = k.shape[1]
         if self.length + n > self.k.shape[1]:
-            grow = max(self.k.shape[1], n)
-            self.k = torch.cat([self.k, torch.empty_like(self.k[:, :grow])], dim=1)
-            self.v = torch.cat([self.v, torch.empty_like(self.v[:, :grow])], dim=1)
+            self._grow(self.length + n)
         self.k[:, self.length : self.length + n] = k
         self.v[:, self.length : self.length + n] = v
         self.length += n
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
+
+    def _grow(self, needed: int) -> None:
+        """Reallocate to at least ``needed`` positions, doubling so appends stay amortised O(1)."""
+        capacity = self.k.shape[1]
+        while capacity < needed:
+            capacity *= 2
+        heads, _, dim = self.k.shape
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_empty(heads, capacity, dim)
+            new[:, : self.length] = old[:, : self.length]
+            setattr(self, name, new)
 
 
 class Eagle3Head(nn.Module):
