@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specfit.core import guard
 from specfit.core.moe import MoESpec, find_experts, moe_spec
 from specfit.errors import ConfigError, PluginError
 
@@ -106,9 +107,7 @@ class OffloadRuntime:
         self.copy_engine = copy_engine
         self.device = torch.device(device)
         spec = self.spec
-        self.slots_per_layer = int(policy.bind(spec))
-        if self.slots_per_layer < spec.top_k:
-            raise PluginError(f"cache '{policy.name}' asked for {self.slots_per_layer} slots per layer, below top-k {spec.top_k}")
+        self.slots_per_layer = bind_cache(policy, spec)
         pin = self.device.type == "cuda"
         self.stores: list[torch.Tensor] = []
         split = 2 * spec.intermediate_size * spec.hidden_size
@@ -139,7 +138,7 @@ class OffloadRuntime:
     # ------------------------------------------------------------------ per pass
 
     def begin_pass(self) -> None:
-        self.policy.begin_pass()
+        guard.call("cache", self.policy, "begin_pass")
         self.stats.passes += 1
         self._routing = [None] * self.spec.num_layers
 
@@ -150,7 +149,7 @@ class OffloadRuntime:
         return torch.stack(self._routing, dim=1).numpy()  # type: ignore[arg-type]
 
     def resident(self) -> np.ndarray:
-        return self.policy.resident()
+        return cache_resident(self.policy, self.spec)
 
     def run_layer(
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, act_fn: nn.Module
@@ -195,19 +194,46 @@ class OffloadRuntime:
         self.stats.copy_calls += 1
 
     def _preload(self) -> None:
-        by_layer: dict[int, list[tuple[int, int]]] = {}
-        spec = self.spec
-        for layer, expert, slot in self.policy.preload():
-            if not (0 <= layer < spec.num_layers and 0 <= expert < spec.num_experts and 0 <= slot < self.slots_per_layer):
-                raise PluginError(f"cache '{self.policy.name}' preloads (layer {layer}, expert {expert}, slot {slot}): out of range")
-            by_layer.setdefault(layer, []).append((expert, slot))
-        for layer, loads in by_layer.items():
-            if len({s for _, s in loads}) != len(loads):
-                raise PluginError(f"cache '{self.policy.name}' preloads two experts into one slot of layer {layer}")
-        for layer, loads in by_layer.items():
+        for layer, loads in cache_preload(self.policy, self.spec, self.slots_per_layer).items():
             self.stats.preload_bytes += self._copy(layer, loads).bytes
             for e, slot in loads:
                 self.slot_expert[layer, slot] = e
+
+
+def bind_cache(policy: ExpertCache, spec: MoESpec) -> int:
+    """``policy.bind(spec)``: the slots per layer to allocate, at least the model's top-k."""
+    slots = guard.check_count("cache", policy, "bind", guard.call("cache", policy, "bind", spec), "the slots per layer")
+    if slots < spec.top_k:
+        raise guard.violation("cache", policy, "bind", f"asked for {slots} slots per layer, below top-k {spec.top_k}")
+    return slots
+
+
+def cache_preload(policy: ExpertCache, spec: MoESpec, slots: int) -> dict[int, list[tuple[int, int]]]:
+    """``policy.preload()`` checked and grouped by layer: {layer: [(expert, slot), ...]}."""
+    by_layer: dict[int, list[tuple[int, int]]] = {}
+    for entry in guard.call("cache", policy, "preload"):
+        try:
+            layer, expert, slot = (int(x) for x in entry)
+        except (TypeError, ValueError):
+            raise guard.violation("cache", policy, "preload", f"entries must be (layer, expert, slot) ints, got {entry!r:.60}") from None
+        if not (0 <= layer < spec.num_layers and 0 <= expert < spec.num_experts and 0 <= slot < slots):
+            raise guard.violation("cache", policy, "preload", f"(layer {layer}, expert {expert}, slot {slot}) is out of range "
+                                  f"({spec.num_layers} layers, {spec.num_experts} experts, {slots} slots)")
+        by_layer.setdefault(layer, []).append((expert, slot))
+    for layer, loads in by_layer.items():
+        if len({s for _, s in loads}) != len(loads):
+            raise guard.violation("cache", policy, "preload", f"two experts go into one slot of layer {layer}")
+    return by_layer
+
+
+def cache_resident(policy: ExpertCache, spec: MoESpec) -> np.ndarray:
+    """``policy.resident()``: bool [layers, experts], as selectors and cost models read it."""
+    resident = guard.call("cache", policy, "resident")
+    shape = (spec.num_layers, spec.num_experts)
+    if not isinstance(resident, np.ndarray) or resident.dtype != np.bool_ or resident.shape != shape:
+        got = f"{resident.dtype} of shape {list(resident.shape)}" if isinstance(resident, np.ndarray) else type(resident).__name__
+        raise guard.violation("cache", policy, "resident", f"must return a bool array of shape {list(shape)}, got {got}")
+    return resident
 
 
 def admission_rounds(policy: ExpertCache, slot_expert: np.ndarray, layer: int, needed: list[int]) -> Iterator[Admission]:
@@ -220,28 +246,42 @@ def admission_rounds(policy: ExpertCache, slot_expert: np.ndarray, layer: int, n
     """
     remaining = needed
     while remaining:
-        admission = policy.admit(layer, remaining)
-        _check_admission(policy.name, slot_expert[layer], layer, remaining, admission)
+        admission = guard.call("cache", policy, "admit", layer, remaining)
+        _check_admission(policy, slot_expert[layer], layer, remaining, admission)
         for expert, slot in admission.loads:
             slot_expert[layer, slot] = expert
         yield admission
         remaining = [e for e in remaining if e not in admission.slots]
 
 
-def _check_admission(name: str, slots: np.ndarray, layer: int, wanted: list[int], admission: Admission) -> None:
-    if not admission.slots:
-        raise PluginError(f"cache '{name}' admitted nothing in layer {layer} (wanted {wanted[:8]}...)")
-    chosen = list(admission.slots.values())
+def _check_admission(policy: ExpertCache, slots: np.ndarray, layer: int, wanted: list[int], admission: Admission) -> None:
+    """An admission the runtime may compute with: every admitted expert wanted and in its own slot
+    in range, the loads exactly the admitted experts that are not resident already."""
+    def bad(message: str) -> PluginError:
+        return guard.violation("cache", policy, "admit", f"layer {layer}: {message}")
+
+    chosen_slots = getattr(admission, "slots", None)
+    loads = getattr(admission, "loads", None)
+    if not isinstance(chosen_slots, dict) or not isinstance(loads, (list, tuple)):
+        raise bad(f"returned {type(admission).__name__}, expected an Admission(slots: dict, loads: list)")
+    if not chosen_slots:
+        raise bad(f"admitted none of the wanted experts {wanted[:8]}{'...' if len(wanted) > 8 else ''}")
+    chosen = list(chosen_slots.values())
     if len(set(chosen)) != len(chosen):
-        raise PluginError(f"cache '{name}' put two experts in one slot in layer {layer}")
-    loaded = dict(admission.loads)
-    if len(loaded) != len(admission.loads):
-        raise PluginError(f"cache '{name}' lists an expert twice in its loads in layer {layer}")
+        raise bad("put two experts in one slot")
+    try:
+        loaded = dict(loads)
+    except (TypeError, ValueError):
+        raise bad("loads must be (expert, slot) pairs") from None
+    if len(loaded) != len(loads):
+        raise bad("lists an expert twice in its loads")
     wanted_set = set(wanted)
-    for expert, slot in admission.slots.items():
-        if expert not in wanted_set or not 0 <= slot < len(slots):
-            raise PluginError(f"cache '{name}' admitted expert {expert} to slot {slot} in layer {layer}: invalid")
+    for expert, slot in chosen_slots.items():
+        if expert not in wanted_set:
+            raise bad(f"admitted expert {expert!r:.20}, which was not wanted")
+        if isinstance(slot, (bool, np.bool_)) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < len(slots):
+            raise bad(f"admitted expert {expert} to slot {slot!r:.20}, outside 0..{len(slots) - 1}")
         if expert not in loaded and slots[slot] != expert:
-            raise PluginError(f"cache '{name}' claims expert {expert} is resident in layer {layer} slot {slot}, it is not")
-    if any(loaded[e] != admission.slots.get(e) for e in loaded):
-        raise PluginError(f"cache '{name}' loads an expert it did not admit, or into another slot, in layer {layer}")
+            raise bad(f"claims expert {expert} is resident in slot {slot}, it is not")
+    if any(loaded[e] != chosen_slots.get(e) for e in loaded):
+        raise bad("loads an expert it did not admit, or into another slot")

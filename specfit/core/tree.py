@@ -94,8 +94,8 @@ class DraftTree:
         return path[::-1]
 
     def is_ancestor_closed(self, nodes: Sequence[int]) -> bool:
-        chosen = set(nodes)
-        return all(self.parents[v] == ROOT or self.parents[v] in chosen for v in chosen)
+        """Whether ``nodes`` are valid node ids whose ancestors are all among them."""
+        return subtree_problem(self, nodes) is None
 
     def top_by_path_prob(self, k: int) -> list[int]:
         """The ``k`` nodes with the highest path probability (ties to the earlier node).
@@ -141,11 +141,39 @@ class VerifyBlock:
         return kids
 
 
+def subtree_problem(tree: DraftTree, nodes: Sequence[int]) -> str | None:
+    """Why ``nodes`` are not a verifiable subtree of ``tree``, or None when they are: each must be an
+    int node id in ``0..len(tree)-1`` (a negative one would silently index from the end) whose
+    parent is the root or chosen too. Duplicates are allowed. Vectorised: selectors call it per level."""
+    n = len(tree)
+    try:
+        ids = np.asarray(nodes)
+    except (TypeError, ValueError):  # ragged or otherwise not an array of ids
+        return f"nodes must be a list of node ids (ints), got {type(nodes).__name__}"
+    if ids.size == 0:
+        return None
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        return f"nodes must be a flat list of node ids (ints), got {ids.dtype} values of shape {ids.shape}"
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= n:
+        return f"node id {low if low < 0 else high} is out of range (tree has {n} nodes)"
+    parents = np.asarray(tree.parents, dtype=np.int64)[ids]
+    chosen = np.zeros(n + 1, dtype=bool)  # the last entry stands for the root (parent -1)
+    chosen[ids] = True
+    chosen[n] = True
+    orphans = ~chosen[np.where(parents < 0, n, parents)]
+    if orphans.any():
+        v = int(ids[np.argmax(orphans)])
+        return f"nodes are not closed under ancestors (node {v} is chosen, its parent {tree.parents[v]} is not)"
+    return None
+
+
 def verify_block(tree: DraftTree, nodes: Sequence[int]) -> VerifyBlock:
     """The root plus the chosen ``nodes`` (must be ancestor-closed), in topological order."""
+    problem = subtree_problem(tree, nodes)
+    if problem:
+        raise ValueError(problem)
     chosen = sorted(set(int(v) for v in nodes))
-    if not tree.is_ancestor_closed(chosen):
-        raise ValueError("selected nodes are not ancestor-closed")
     position = {v: i + 1 for i, v in enumerate(chosen)}
     parents = [-1] + [0 if tree.parents[v] == ROOT else position[tree.parents[v]] for v in chosen]
     return VerifyBlock(

@@ -17,18 +17,21 @@ from. A selection outside them cannot be replayed and is a clear error.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
+from numbers import Real
 from typing import Any, Callable
 
 import numpy as np
 
+from specfit.core import guard
 from specfit.core.calibration import CostConstants, load_constants
 from specfit.core.engine import report_time, should_draft
-from specfit.core.offload import admission_rounds
+from specfit.core.offload import admission_rounds, bind_cache, cache_preload, cache_resident
 from specfit.core.stats import prediction_overlap
 from specfit.core.tree import DraftTree, VerifyBlock, verify_block
-from specfit.errors import ConfigError, PluginError
+from specfit.errors import ConfigError, SpecfitError
 from specfit.interfaces import Selection, SelectionContext
 from specfit.registry import check_plugin_instance
 from specfit.trace.format import ACCEPTED_KEY, Trace, TraceError, TracePosition, TraceSequence
@@ -221,18 +224,18 @@ class _Replayer:
         self.spec = spec = trace.meta.moe_spec()
         self.max_depth = int(trace.meta.drafter.get("depth", 0))
         self.max_nodes = int(trace.meta.drafter.get("total_tokens", 0))
-        selector.bind(spec)
-        cost_model.bind(spec)
+        # Plug-ins are called through specfit.core.guard, as the engine calls them.
+        guard.call("selector", selector, "bind", spec)
+        guard.call("cost_model", cost_model, "bind", spec)
         self.constants = _constants(cost_model, trace)
         self.target = ReplayTarget(spec, model)
         if predictor is not None:
-            predictor.bind(self.target)
-        self.slots = int(cache.bind(spec))
-        if self.slots < spec.top_k:
-            raise PluginError(f"cache '{cache.name}' asked for {self.slots} slots per layer, below top-k {spec.top_k}")
+            guard.call("predictor", predictor, "bind", self.target)
+        self.slots = bind_cache(cache, spec)
         self.slot_expert = np.full((spec.num_layers, self.slots), -1, dtype=np.int64)
-        for layer, expert, slot in cache.preload():
-            self.slot_expert[layer, slot] = expert
+        for layer, loads in cache_preload(cache, spec, self.slots).items():
+            for expert, slot in loads:
+                self.slot_expert[layer, slot] = expert
         self.method = method or selector.name
         self.cycles: list[ReplayCycle] = []
 
@@ -259,7 +262,7 @@ class _Replayer:
     def _sequence(self, index: int, seq: TraceSequence) -> None:
         self._pass(seq.prefill_routing)  # the prefill goes through the cache too (not counted)
         if self.predictor is not None:  # as the engine does: the prompt's routing is a free warm start
-            self.predictor.observe(seq.prompt.tolist(), seq.prefill_routing.astype(np.int64))
+            guard.call("predictor", self.predictor, "observe", seq.prompt.tolist(), seq.prefill_routing.astype(np.int64))
         output = seq.output
         done = 1  # output tokens committed (the first comes from the prefill)
         while done < len(output):
@@ -281,26 +284,25 @@ class _Replayer:
             levels = d
             t0 = time.perf_counter()
             if self.predictor is not None:
-                self.predictor.predict(tree, level)
+                guard.call("predictor", self.predictor, "predict", tree, level)
+                guard.check_predicted_experts(self.predictor, tree, self.spec.num_layers, self.spec.top_k,
+                                              self.spec.num_experts)
             t_sel = time.perf_counter()
             overhead += t_sel - t0
             ctx = SelectionContext(
-                resident=self.cache.resident(),
+                resident=cache_resident(self.cache, self.spec),
                 draft_seconds=self._draft_seconds(rec, d, overhead),
                 max_depth=self.max_depth,
                 max_nodes=self.max_nodes,
                 cost_model=self.cost_model,
                 extra={ACCEPTED_KEY: full_path},
             )
-            selection = self.selector.select(tree, ctx)
+            selection = guard.check_selection(self.selector, tree, guard.call("selector", self.selector, "select", tree, ctx))
             overhead += time.perf_counter() - t_sel
             if selection.stop:
                 break
 
-        try:
-            block = verify_block(tree, selection.nodes)
-        except ValueError as exc:  # as the engine reports it
-            raise PluginError(f"selector '{self.selector.name}' chose nodes that are not a valid subtree: {exc}") from exc
+        block = verify_block(tree, selection.nodes)  # checked by guard.check_selection
         rows = rec.rows(block.nodes)
         if np.any(rows < 0):
             unknown = [v for v, r in zip(block.nodes, rows) if r < 0]
@@ -324,10 +326,10 @@ class _Replayer:
 
         accepted_nodes = [block.nodes[p - 1] for p in path]
         tree.greedy_next = bonus  # traces are greedy
-        self.selector.observe(tree, selection.nodes, accepted_nodes)
+        guard.call("selector", self.selector, "observe", tree, selection.nodes, accepted_nodes)
         if self.predictor is not None:
             kept = [0] + path
-            self.predictor.observe([block.tokens[p] for p in kept], routing[kept])
+            guard.call("predictor", self.predictor, "observe", [block.tokens[p] for p in kept], routing[kept])
         draft = self._draft_seconds(rec, levels, overhead)
         self.cycles.append(ReplayCycle(
             sequence=index,
@@ -357,7 +359,7 @@ class _Replayer:
 
     def _pass(self, routing: np.ndarray) -> tuple[int, int, float]:
         """One target pass through the cache policy: (misses, hits, mean union per layer)."""
-        self.cache.begin_pass()
+        guard.call("cache", self.cache, "begin_pass")
         misses = hits = union = 0
         for layer in range(self.spec.num_layers):
             needed = np.unique(routing[:, layer, :]).tolist()  # ascending, as the runtime asks
@@ -388,14 +390,26 @@ def _constants(cost_model: Any, trace: Trace) -> CostConstants:
     if hasattr(cost_model, "set_constants") and not getattr(cost_model, "calibrated", True):
         source = getattr(cost_model, "calibration", "auto")
         if source not in ("auto", None):
-            cost_model.set_constants(load_constants(source))
+            guard.call("cost_model", cost_model, "set_constants", load_constants(source))
         elif trace.meta.constants:
-            cost_model.set_constants(CostConstants.from_json(trace.meta.constants))
+            guard.call("cost_model", cost_model, "set_constants", CostConstants.from_json(trace.meta.constants))
     try:
-        return cost_model.constants
+        constants = cost_model.constants
     except AttributeError as exc:
         raise ConfigError(f"cost_model '{cost_model.name}' has no constants: replay charges time with "
                           "CostConstants (use cost_model=union)") from exc
     except ConfigError as exc:
         raise ConfigError("the trace carries no cost constants (it was recorded without cost_model=union): give "
                           "cost_model.calibration=FILE or cost_model.c0/c_tok/c_miss/c_hit") from exc
+    except SpecfitError:
+        raise
+    except Exception as exc:
+        raise guard.failure("cost_model", cost_model, "constants", exc) from exc
+    if not isinstance(constants, CostConstants):
+        raise guard.violation("cost_model", cost_model, "constants",
+                              f"must be a specfit.core.calibration.CostConstants, got {type(constants).__name__}")
+    values = {k: getattr(constants, k) for k in ("c0", "c_tok", "c_miss", "c_hit", "c_level", "c_draft0")}
+    broken = {k: v for k, v in values.items() if not (isinstance(v, Real) and math.isfinite(v))}
+    if broken:
+        raise guard.violation("cost_model", cost_model, "constants", f"non-finite or non-numeric constants {broken}")
+    return constants
