@@ -16,6 +16,9 @@ from torch import nn
 
 from specfit.errors import ModelError
 
+#: Architectures whose experts follow the fused interface the slot kernels implement (tested ones).
+SUPPORTED = "Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, DeepSeek-V2/V3"
+
 
 @dataclass(frozen=True)
 class MoESpec:
@@ -83,7 +86,7 @@ def moe_spec(model: nn.Module, experts: list[tuple[str, nn.Module]] | None = Non
     if not experts:
         raise ModelError(
             f"{type(model).__name__} has no MoE experts module with fused gate_up_proj/down_proj "
-            "(transformers 5.x experts interface); supported: Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, DeepSeek-V2/V3"
+            f"(transformers 5.x experts interface); supported: {SUPPORTED}"
         )
     config = getattr(model, "config", None)
     top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_topk", None)

@@ -106,6 +106,7 @@ class Target:
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, mask: torch.Tensor | None,
                  last_logits_only: bool = False) -> PassOutput:
         want_features = bool(self.feature_layers)
+        cached = self.kv_len
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -115,7 +116,56 @@ class Target:
             logits_to_keep=1 if last_logits_only else 0,
             **{self._cache_kwarg: self.cache},
         )
+        logits = out.logits[0].float()
+        # NaN/inf weights would otherwise decode garbage (argmax of NaN) and end quietly: one sync per pass
+        if not bool(torch.isfinite(logits).all()):
+            raise self._non_finite(cached, input_ids, position_ids, mask, last_logits_only)
         features = None
         if want_features:
             features = torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1)
-        return PassOutput(logits=out.logits[0].float(), features=features, routing=self.runtime.routing())
+        return PassOutput(logits=logits, features=features, routing=self.runtime.routing())
+
+    def _non_finite(self, cached: int, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                    mask: torch.Tensor | None, last_logits_only: bool) -> ModelError:
+        """Name the module that first produced NaN/inf, by re-running the failed pass with hooks.
+
+        Only on this error path: the hooks cost a sync per layer. The pass is rerun on the cache as
+        it was before (the failed pass's entries are cropped), so it sees exactly the same inputs."""
+        model = self.model
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+        watched: list[tuple[str, nn.Module]] = []
+        if getattr(decoder, "embed_tokens", None) is not None:
+            watched.append(("the token embeddings", decoder.embed_tokens))
+        for i, layer in enumerate(getattr(decoder, "layers", ())):
+            watched.append((f"decoder layer {i}", layer))
+        if getattr(decoder, "norm", None) is not None:
+            watched.append(("the final norm", decoder.norm))
+        if model.get_output_embeddings() is not None:
+            watched.append(("the output head", model.get_output_embeddings()))
+        names = {id(m): n for n, m in model.named_modules()}
+        first: list[str] = []
+
+        def hook(label: str, module: nn.Module):  # noqa: ANN202
+            def check(_module: nn.Module, _args: object, output: object) -> None:
+                tensor = output[0] if isinstance(output, (tuple, list)) else output
+                if not first and isinstance(tensor, torch.Tensor) and tensor.is_floating_point() \
+                        and not bool(torch.isfinite(tensor).all()):
+                    first.append(f"{label} ({names.get(id(module), type(module).__name__)})")
+            return check
+
+        handles = [m.register_forward_hook(hook(label, m)) for label, m in watched]
+        try:
+            if cached:
+                self.cache.crop(cached - self.kv_len)  # (crop takes a negative count in this transformers)
+            else:
+                self.reset()
+            self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
+                       logits_to_keep=1 if last_logits_only else 0, **{self._cache_kwarg: self.cache})
+        except Exception:  # noqa: BLE001 - the diagnosis must not hide the error it diagnoses
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
+        where = first[0] if first else "an unhooked module"
+        return ModelError(f"{type(model).__name__} produced non-finite logits (NaN or inf): {where} first produced "
+                          "non-finite values; check the checkpoint's weights (and model.dtype: float16 can overflow)")
