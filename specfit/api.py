@@ -9,7 +9,9 @@ from typing import Any, Sequence
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from specfit.core.calibration import calibration_path, load_constants, run_calibration, save_constants
+from specfit.core.calibration import (
+    calibration_path, check_calibration_destination, load_constants, run_calibration, save_constants,
+)
 from specfit.core.copy_engines import LinkSettings
 from specfit.core.engine import Engine
 from specfit.core.loading import load_target
@@ -78,12 +80,12 @@ def calibrate(engine: Engine, prompts: Sequence[Any] | None = None, max_new_toke
 
     Without prompts, a few seeded random token sequences are used: the constants are about time
     per token, per expert hit and per miss, not about the text."""
+    path = check_calibration_destination(path or calibration_path(engine))  # before measuring
     if not prompts:
         rng = np.random.default_rng(seed)
         vocab = engine.model.config.vocab_size
         prompts = [rng.integers(0, vocab, size=24).tolist() for _ in range(4)]
     constants, report = run_calibration(engine, prompts, max_new_tokens, seed)
-    path = path or calibration_path(engine)
     constants.source = str(path)
     report["path"] = str(save_constants(path, constants, engine, report))
     return constants, report

@@ -26,24 +26,26 @@ from typing import IO, Any, Callable, Iterable
 from specfit.errors import ConfigError
 
 
-def check_writable(path: str | Path, key: str, directory: bool = False) -> Path:
+def check_writable(path: str | Path, key: str, directory: bool = False, label: str | None = None) -> Path:
     """``path`` as a Path, or a :class:`ConfigError` naming ``key`` if nothing can be written there.
 
     Nothing is created: the nearest existing folder on the way is probed with a temporary file.
+    Messages start ``key=path:`` (or ``label:`` when given).
     """
     path = Path(path).expanduser()
+    where = label or f"{key}={path}"
     if path.exists():
         if directory and not path.is_dir():
-            raise ConfigError(f"{key}={path} exists and is not a directory")
+            raise ConfigError(f"{where}: exists and is not a directory")
         if not directory and path.is_dir():
-            raise ConfigError(f"{key}={path} is a directory, not a file")
+            raise ConfigError(f"{where}: is a directory, not a file")
     probe = path if directory else path.parent
     while not probe.exists():
         if probe.is_symlink():  # a dangling link: writing through it would fail
-            raise ConfigError(f"{key}={path}: {probe} is a broken symbolic link")
+            raise ConfigError(f"{where}: {probe} is a broken symbolic link")
         probe = probe.parent
     if not probe.is_dir():
-        raise ConfigError(f"{key}={path}: {probe} is a file, not a directory")
+        raise ConfigError(f"{where}: {probe} is a file, not a directory")
     try:
         with tempfile.TemporaryFile(dir=probe, prefix=".specfit-write-check-"):
             pass
@@ -51,7 +53,7 @@ def check_writable(path: str | Path, key: str, directory: bool = False) -> Path:
             with path.open("ab"):
                 pass
     except OSError as exc:
-        raise ConfigError(f"{key}={path}: cannot write there ({exc.strerror or exc})") from exc
+        raise ConfigError(f"{where}: cannot write there ({exc.strerror or exc})") from exc
     return path
 
 
@@ -102,7 +104,7 @@ def append_jsonl_lines(path: str | Path, rows: Iterable[dict[str, Any]], default
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = "".join(json.dumps(row, default=default) + "\n" for row in rows).encode("utf-8")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o666)
     try:
         _cut_torn_tail(fd, path)
         while data:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from specfit.errors import ConfigError
+from specfit.files import check_writable, read_jsonl, write_atomic
 from specfit.results import comparison_table, mean_stats
 
 SWEEP_KEYS_IGNORED = {"prompt", "prompt_ids", "workload", "methods", "method_presets", "workloads", "results_file",
@@ -28,12 +29,7 @@ def read_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
         if not files or not all(f.is_file() for f in files):
             raise ConfigError(f"report: no results found at {path}")
         for f in files:
-            for n, line in enumerate(f.read_text().splitlines(), 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as exc:
-                        raise ConfigError(f"report: {f} line {n} is not JSON ({exc.msg})") from exc
+            rows += read_jsonl(f, key="report")  # a torn last line (an interrupted run) is skipped
     runs = [r for r in rows if "output_throughput" in r]
     if not runs:
         raise ConfigError("report: the results hold no decoding runs (rows with output_throughput)")
@@ -80,9 +76,9 @@ def group(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def write_report(paths: Sequence[str | Path], out_dir: str | Path) -> Path:
+    out = check_writable(out_dir, "--out", directory=True)
     rows = read_rows(paths)
     summary = group(rows)
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lines = ["# specfit report", "", f"{len(rows)} runs from {', '.join(map(str, paths))}.", ""]
     emulated = any(r.get("h2d_emulated") for r in rows)
@@ -93,9 +89,7 @@ def write_report(paths: Sequence[str | Path], out_dir: str | Path) -> Path:
         lines += [f"## Workload {workload}", "", "```", comparison_table(part, baseline=_baseline(part)), "```", ""]
     plots = _plots(summary, out)
     lines += [f"![{name}]({name})" for name in plots]
-    report = out / "report.md"
-    report.write_text("\n".join(lines) + "\n")
-    return report
+    return write_atomic(out / "report.md", "\n".join(lines) + "\n")
 
 
 def _baseline(rows: Sequence[dict[str, Any]]) -> str:

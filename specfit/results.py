@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from specfit.files import append_jsonl_lines
+
 
 def append_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        for row in rows:
-            f.write(json.dumps(row, default=_jsonable) + "\n")
-    return path
+    """Append rows to a results file, durably and never leaving half a line (see :mod:`specfit.files`)."""
+    return append_jsonl_lines(path, rows, default=_jsonable)
 
 
 def _jsonable(value: Any) -> Any:

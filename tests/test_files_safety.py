@@ -133,7 +133,7 @@ def test_check_writable_names_the_key_and_the_problem(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ConfigError, match=r"^results_file=.*file/out/results.jsonl: .*is a file, not a directory"):
         check_writable(blocker / "out" / "results.jsonl", "results_file")
-    with pytest.raises(ConfigError, match=r"^trace.path=.* exists and is not a directory"):
+    with pytest.raises(ConfigError, match=r"^trace.path=.*: exists and is not a directory"):
         check_writable(blocker, "trace.path", directory=True)
     with pytest.raises(ConfigError, match=r"is a directory, not a file"):
         check_writable(tmp_path, "results_file")

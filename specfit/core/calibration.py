@@ -128,10 +128,19 @@ def calibration_path(engine: Any) -> Path:
 
 
 def save_constants(path: Path, constants: CostConstants, engine: Any, report: dict[str, Any]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Store a calibration atomically: a run killed while saving leaves the old file or none."""
+    from specfit.files import write_atomic
+
     data = {"constants": constants.to_json(), "setup": setup_fingerprint(engine), "report": report}
-    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    return path
+    return write_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def check_calibration_destination(path: Path) -> Path:
+    """Refuse an unwritable calibration file before any measuring starts (one line naming it)."""
+    from specfit.files import check_writable
+
+    return check_writable(path, "SPECFIT_HOME", label=f"calibration file {path} (under $SPECFIT_HOME, default "
+                                                      f"~/.cache/specfit)")
 
 
 def load_constants(path: str | Path) -> CostConstants:
@@ -139,9 +148,9 @@ def load_constants(path: str | Path) -> CostConstants:
     if not path.is_file():
         raise ConfigError(f"cost_model.calibration={path}: no such file (run `specfit calibrate` to make one)")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
         constants = CostConstants.from_json(data["constants"])
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # bad JSON, not UTF-8, wrong shape
         raise ConfigError(f"cost_model.calibration={path}: not a specfit calibration file ({exc})") from exc
     constants.source = str(path)
     return constants
