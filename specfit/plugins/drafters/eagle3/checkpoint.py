@@ -72,10 +72,21 @@ def load_head(path: str | Path) -> Eagle3Head:
     if not config_file.is_file():
         raise ModelError(f"drafter.path={path}: no config.json")
     try:
-        raw = json.loads(config_file.read_text())
+        raw = json.loads(config_file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ModelError(f"{config_file}: not UTF-8 text (byte {exc.start})") from exc
     except json.JSONDecodeError as exc:
         raise ModelError(f"{config_file}: not valid JSON ({exc.msg}, line {exc.lineno})") from exc
-    cfg = Eagle3Config.from_hf(raw, str(config_file))
+    if not isinstance(raw, dict):
+        raise ModelError(f"{config_file}: holds a JSON {type(raw).__name__}, not an object")
+    try:
+        cfg = Eagle3Config.from_hf(raw, str(config_file))
+    except (TypeError, ValueError, AttributeError) as exc:  # a value of the wrong type, e.g. "hidden_size": "big"
+        raise ModelError(f"{config_file}: not an EAGLE-3 head config ({type(exc).__name__}: {exc})") from exc
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "vocab_size", "draft_vocab_size", "target_hidden_size"):
+        if getattr(cfg, key) < 1:
+            raise ModelError(f"{config_file}: {key}={getattr(cfg, key)} must be >= 1")
     state = _read_state(path)
     state = {k.removeprefix("model."): v for k, v in state.items()}
     head = Eagle3Head(cfg)
@@ -97,20 +108,50 @@ def load_head(path: str | Path) -> Eagle3Head:
     head.load_state_dict(state, strict=False)
     if "d2t" in state:
         head.d2t.copy_(state["d2t"].long())
+    head.source = str(path)  # named by errors about how the head fits its target
     return head.eval()
 
 
+def check_head_fits(head: Eagle3Head, target_config: object) -> None:
+    """A head trained for another model fails here, naming the head and the mismatch, not mid-draft."""
+    cfg, tc = head.cfg, target_config
+    where = f"drafter.path={head.source}" if getattr(head, "source", None) else "the EAGLE-3 head"
+    if cfg.vocab_size != tc.vocab_size:
+        raise ModelError(f"{where}: head vocab_size {cfg.vocab_size} differs from the target's {tc.vocab_size}")
+    if cfg.target_hidden_size != tc.hidden_size:
+        raise ModelError(f"{where}: head expects target hidden size {cfg.target_hidden_size}, "
+                         f"the target has {tc.hidden_size}")
+    if head.embed_tokens is None and cfg.hidden_size != tc.hidden_size:
+        raise ModelError(f"{where}: head has no embed_tokens and its hidden_size {cfg.hidden_size} differs from the "
+                         f"target's {tc.hidden_size}, whose embeddings it would use")
+    layers = getattr(tc, "num_hidden_layers", None)
+    if cfg.aux_layer_ids and layers is not None and not all(0 <= i < layers for i in cfg.aux_layer_ids):
+        raise ModelError(f"{where}: head eagle_aux_hidden_state_layer_ids {cfg.aux_layer_ids} do not fit the "
+                         f"target's {layers} layers")
+    if cfg.draft_vocab_size > tc.vocab_size:
+        raise ModelError(f"{where}: head draft_vocab_size {cfg.draft_vocab_size} exceeds the target's vocabulary "
+                         f"({tc.vocab_size})")
+    target_ids = torch.arange(cfg.draft_vocab_size, device=head.d2t.device) + head.d2t
+    if target_ids.numel() and (int(target_ids.min()) < 0 or int(target_ids.max()) >= tc.vocab_size):
+        raise ModelError(f"{where}: head d2t maps draft tokens outside the target's vocabulary (0..{tc.vocab_size - 1})")
+
+
 def _read_state(path: Path) -> dict[str, torch.Tensor]:
+    from specfit.core.loading import check_safetensors
+
     for name in WEIGHT_FILES:
         file = path / name
         if not file.is_file():
             continue
+        if name.endswith(".safetensors"):
+            check_safetensors(file, f"drafter.path={path}")  # truncated or not safetensors: a clear line
         try:
             if name.endswith(".safetensors"):
                 from safetensors.torch import load_file
 
                 return load_file(str(file))
             return torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as exc:  # corrupt or truncated files raise many types
-            raise ModelError(f"{file}: cannot read weights ({type(exc).__name__}: {exc})") from exc
+        except Exception as exc:  # noqa: BLE001 - corrupt or truncated files raise many types
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise ModelError(f"{file}: cannot read weights ({type(exc).__name__}: {first})") from exc
     raise ModelError(f"drafter.path={path}: no weights ({' or '.join(WEIGHT_FILES)})")

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from specfit.config import DrafterConfig
 from specfit.core.tree import ROOT, DraftTree
 from specfit.errors import ConfigError, ModelError
-from specfit.plugins.drafters.eagle3.checkpoint import head_config_for, load_head, random_head
+from specfit.plugins.drafters.eagle3.checkpoint import check_head_fits, head_config_for, load_head, random_head
 from specfit.plugins.drafters.eagle3.head import Eagle3Head, KVBuffer
+from specfit.validation import integer, optional_integer
 
 
 @dataclass
@@ -37,6 +38,15 @@ class Eagle3DrafterConfig(DrafterConfig):
     eagle_topk: int | None = None
     num_steps: int | None = None
     num_draft_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        """Ranges the schema cannot express; ``top_k`` against the draft vocabulary is checked in ``bind``."""
+        for key in ("top_k", "depth", "total_tokens"):
+            integer(f"drafter.{key}", getattr(self, key), minimum=1)
+        optional_integer("drafter.eagle_topk", self.eagle_topk, minimum=1)
+        optional_integer("drafter.num_steps", self.num_steps, minimum=1)
+        optional_integer("drafter.num_draft_tokens", self.num_draft_tokens, minimum=2)  # the root and a draft token
+        integer("drafter.seed", self.seed)
 
 
 def _alias(cfg: Eagle3DrafterConfig, field: str, alias: str, offset: int = 0) -> int:
@@ -75,6 +85,10 @@ class Eagle3Drafter:
         if self.head is None:
             self.head = random_head(head_config_for(model), seed=self.seed)
         cfg, tc = self.head.cfg, model.config
+        check_head_fits(self.head, tc)  # names the head and the mismatch
+        if self.top_k > cfg.draft_vocab_size:  # a beam wider than the vocabulary it ranks
+            raise ConfigError(f"drafter.top_k={self.top_k} exceeds the EAGLE-3 head's draft vocabulary "
+                              f"({cfg.draft_vocab_size} tokens)")
         if cfg.vocab_size != tc.vocab_size:
             raise ModelError(f"EAGLE-3 head vocab_size {cfg.vocab_size} differs from the target's {tc.vocab_size}")
         if cfg.target_hidden_size != tc.hidden_size:
