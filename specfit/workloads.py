@@ -67,21 +67,44 @@ def _jsonl(cfg: DictConfig) -> list[str | list[int]]:
     path = Path(cfg.path).expanduser()
     if not path.is_file():
         raise ConfigError(f"workload.path={cfg.path}: no such file")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"workload.path={cfg.path} line {line}: not UTF-8 text (byte {exc.start})") from exc
     prompts: list[str | list[int]] = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"workload.path={cfg.path} line {n}: not JSON ({exc.msg})") from exc
-        if "prompt_ids" in row:
-            prompts.append([int(t) for t in row["prompt_ids"]])
-        elif "prompt" in row:
-            prompts.append(str(row["prompt"]))
-        else:
-            raise ConfigError(f"workload.path={cfg.path} line {n}: needs a 'prompt' or 'prompt_ids' field")
+        prompts.append(prompt_of_row(row, f"workload.path={cfg.path} line {n}"))
+    if not prompts:
+        raise ConfigError(f"workload.path={cfg.path}: no prompts in the file (one {{\"prompt\": ...}} per line)")
     return prompts
+
+
+def prompt_of_row(row: object, where: str) -> str | list[int]:
+    """The prompt of one JSON line: a non-empty string, or a non-empty list of token ids (ints >= 0)."""
+    if not isinstance(row, dict):
+        raise ConfigError(f"{where}: a JSON {type(row).__name__}, not an object with a 'prompt' or 'prompt_ids' field")
+    if "prompt_ids" in row:
+        ids = row["prompt_ids"]
+        if not isinstance(ids, list) or not ids:
+            raise ConfigError(f"{where}: 'prompt_ids' must be a non-empty list of token ids, not {json.dumps(ids)[:40]}")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ConfigError(f"{where}: 'prompt_ids' holds {json.dumps(t)[:40]}, not a token id (an int >= 0)")
+        return list(ids)
+    if "prompt" in row:
+        prompt = row["prompt"]
+        if not isinstance(prompt, str) or not prompt:
+            raise ConfigError(f"{where}: 'prompt' must be a non-empty string, not {json.dumps(prompt)[:40]}")
+        return prompt
+    raise ConfigError(f"{where}: needs a 'prompt' or 'prompt_ids' field")
 
 
 HF_DATASETS = {
