@@ -1,10 +1,12 @@
 """Deciding which verified nodes the target accepts, without changing what it would generate.
 
-Greedy: follow the child whose token is the target's argmax. Sampling: EAGLE's multi-draft
-rejection scheme for deterministic (top-k) candidates: try each distinct child token x in turn,
-accept it with probability p(x); on rejection set p(x) = 0 and renormalise; when no child is
-accepted, draw the bonus token from what is left. Each step is then an exact draw from the
-target's distribution p, so sampling is lossless.
+At every block position the target's own next token is decided first (greedy: its argmax;
+sampling: an exact draw from its distribution, with the uniform number of that output position,
+see :class:`specfit.core.sampling.Sampler`); the child that drafted this token is accepted, and
+when none did, the token is the bonus. Each committed token is thus exactly the token the target
+would produce at its position, whatever was drafted. For sampling this accepts a drafted token x
+with probability p(x), and, after rejecting it, another x' with p(x') / (1 - p(x)): the acceptance
+rates of EAGLE's multi-draft rejection scheme for deterministic (top-k) candidates.
 """
 
 from __future__ import annotations
@@ -24,40 +26,21 @@ class Acceptance:
 
 
 def accept(block: VerifyBlock, logits: torch.Tensor, sampler: Sampler) -> Acceptance:
-    """Walk down the block from the root; ``logits`` are the target's [len(block), vocab]."""
+    """Walk down the block from the root; ``logits`` are the target's [len(block), vocab].
+
+    The token after block position ``pos`` is output token ``sampler.position + depth(pos)``."""
     children = block.children()
     path: list[int] = []
     pos = 0
     while True:
-        if sampler.params.greedy:
-            token = int(torch.argmax(logits[pos]))
-            nxt = next((c for c in children[pos] if block.tokens[c] == token), None)
-            if nxt is None:
-                return Acceptance(path, token)
-        else:
-            nxt, residual = _rejection_step(block, children[pos], sampler.probs(logits[pos]), sampler)
-            if nxt is None:
-                return Acceptance(path, sampler.draw(residual))
+        token = sampler.token(logits[pos], sampler.position + block.depths[pos])
+        nxt = _drafted(block, children[pos], token)
+        if nxt is None:
+            return Acceptance(path, token)
         path.append(nxt)
         pos = nxt
 
 
-def _rejection_step(
-    block: VerifyBlock, candidates: list[int], probs: torch.Tensor, sampler: Sampler
-) -> tuple[int | None, torch.Tensor]:
-    tried: set[int] = set()
-    for c in candidates:
-        x = block.tokens[c]
-        if x in tried:
-            continue
-        tried.add(x)
-        if sampler.uniform() < float(probs[x]):
-            return c, probs
-        probs = probs.clone()
-        probs[x] = 0.0
-        total = float(probs.sum())
-        if total <= 0.0:  # only float round-off can get here: p(x) was 1 up to rounding
-            probs[x] = 1.0
-            return None, probs
-        probs = probs / total
-    return None, probs
+def _drafted(block: VerifyBlock, candidates: list[int], token: int) -> int | None:
+    """The first candidate block position that drafted ``token``, if any."""
+    return next((c for c in candidates if block.tokens[c] == token), None)

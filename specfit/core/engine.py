@@ -167,7 +167,7 @@ class Engine:
         with torch.inference_mode():
             start = _now(self.device)
             prefill = self.target.prefill(ids)
-            out.append(sampler.next_token(prefill.logits[-1]))
+            out.append(sampler.token(prefill.logits[-1], 0))
             guard.call("drafter", self.drafter, "start", ids, prefill.features, out[-1])
             if self.predictor is not None:
                 guard.call("predictor", self.predictor, "observe", ids, prefill.routing)  # the prompt's routing: a free warm start
@@ -180,6 +180,7 @@ class Engine:
                 room = limit - len(out) if context_room is None else min(limit - len(out), context_room)
                 if room <= 0:
                     break
+                sampler.position = len(out)  # the output index of the first token this cycle decides
                 record, tokens = self._cycle(out[-1], sampler, context_room)
                 tokens = self._truncate(tokens, room)
                 record.committed = len(tokens)
@@ -221,7 +222,7 @@ class Engine:
         for level in levels:
             if self.predictor is not None:
                 guard.call("predictor", self.predictor, "predict", tree, level)
-                guard.check_predicted_experts(self.predictor, tree, self.spec.num_layers, self.spec.top_k,
+                guard.check_predicted_experts(self.predictor, tree, level, self.spec.num_layers, self.spec.top_k,
                                               self.spec.num_experts)
             t_sel = _now(self.device)
             level_seconds.append(t_sel - t0 - select_seconds)

@@ -6,11 +6,14 @@ run samples from the same distribution as ``model.generate(do_sample=True, ...)`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specfit.errors import ConfigError
+from specfit.validation import is_int
 
 
 @dataclass(frozen=True)
@@ -21,24 +24,38 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ConfigError(f"sampling.temperature={self.temperature} must be >= 0 (0 is greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"sampling.top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < 0:
-            raise ConfigError(f"sampling.top_k={self.top_k} must be >= 0 (0 disables it)")
+        """Bad values fail here, naming the key, not as a NaN distribution or a torch error mid-run."""
+        if not _finite_number(self.temperature) or self.temperature < 0:
+            raise ConfigError(f"sampling.temperature={self.temperature!r} must be a finite number >= 0 (0 is greedy)")
+        if not _finite_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ConfigError(f"sampling.top_p={self.top_p!r} must be in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise ConfigError(f"sampling.top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
+        if not is_int(self.seed):
+            raise ConfigError(f"sampling.seed={self.seed!r} must be an integer")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
+def _finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 class Sampler:
-    """Target distributions and draws, with a seeded generator for reproducible runs."""
+    """Target distributions and draws, reproducible from ``params.seed`` alone.
+
+    The draw of output token ``j`` (0: the first generated token) uses one uniform number that is a
+    function of (seed, j) only, not a shared generator's state. What a run drafted, verified or
+    decoded before therefore changes nothing: a seeded generation gives the same tokens on a fresh
+    or a reused engine, with any drafter, selector, cache or timing (given the same logits).
+    """
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
-        self.generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        # output index of the token after the current draft root; the decode loop sets it each cycle
+        self.position = 0
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution a sample is drawn from, for 1-D float logits (on the CPU, float64)."""
@@ -55,13 +72,18 @@ class Sampler:
             scores = scores.masked_fill(remove.scatter(0, order, remove), -torch.inf)
         return scores.softmax(-1)
 
-    def uniform(self) -> float:
-        return float(torch.rand((), generator=self.generator, dtype=torch.float64))
+    def uniform(self, index: int) -> float:
+        """The uniform number in [0, 1) of output token ``index`` under this seed."""
+        return float(np.random.default_rng([self.params.seed % 2**64, index]).random())
 
-    def draw(self, probs: torch.Tensor) -> int:
-        return int(torch.multinomial(probs, 1, generator=self.generator))
-
-    def next_token(self, logits: torch.Tensor) -> int:
+    def token(self, logits: torch.Tensor, index: int) -> int:
+        """Output token ``index`` from the target's logits: the argmax, or an inverse-CDF draw."""
         if self.params.greedy:
             return int(torch.argmax(logits))
-        return self.draw(self.probs(logits))
+        probs = self.probs(logits)
+        cdf = probs.cumsum(0)
+        u = torch.tensor([self.uniform(index) * float(cdf[-1])], dtype=cdf.dtype)
+        chosen = int(torch.searchsorted(cdf, u, right=True))
+        if chosen >= probs.numel():  # round-off at the top end: the last token that can be drawn
+            chosen = int(torch.nonzero(probs).max())
+        return chosen
