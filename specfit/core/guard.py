@@ -169,9 +169,10 @@ def check_level(drafter: Any, tree: Any, level: Any, depth: int, vocab: int) -> 
 # --------------------------------------------------------------------------- predictors
 
 
-def check_predicted_experts(predictor: Any, tree: Any, layers: int, top_k: int, experts: int) -> None:
-    """After ``predict``: ``tree.experts`` ([>= nodes, layers, top_k]) and ``tree.root_experts``
-    ([layers, top_k]), where set, are integer arrays of expert ids in ``-1..experts-1``."""
+def check_predicted_experts(predictor: Any, tree: Any, nodes: range, layers: int, top_k: int, experts: int) -> None:
+    """After ``predict(tree, nodes)``: ``tree.experts`` ([>= nodes, layers, top_k]) and
+    ``tree.root_experts`` ([layers, top_k]), where set, are integer arrays whose rows for ``nodes``
+    and the root hold expert ids in ``-1..experts-1`` (earlier rows were checked when filled)."""
     for field, arr, rows in (("tree.root_experts", tree.root_experts, None), ("tree.experts", tree.experts, len(tree))):
         if arr is None:
             continue
@@ -181,12 +182,11 @@ def check_predicted_experts(predictor: Any, tree: Any, layers: int, top_k: int, 
             got = f"{arr.dtype} array of shape {arr.shape}" if isinstance(arr, np.ndarray) else type(arr).__name__
             want = f"[{layers}, {top_k}]" if rows is None else f"[>= {rows}, {layers}, {top_k}]"
             raise violation("predictor", predictor, "predict", f"{field} must be an int array {want}, got {got}")
-        used = arr if rows is None else arr[:rows]
+        used = arr if rows is None else arr[nodes.start : nodes.stop]
         if used.size and (int(used.min()) < -1 or int(used.max()) >= experts):
             value = int(used.min()) if int(used.min()) < -1 else int(used.max())
             raise violation("predictor", predictor, "predict",
                             f"{field} holds expert id {value}, outside -1..{experts - 1}")
-
 
 def feature_layers(drafter: Any, layers: int | None) -> tuple[int, ...]:
     """The drafter's ``feature_layers()``: HF ``hidden_states`` indices, 0 (embeddings) to ``layers``."""

@@ -285,7 +285,7 @@ class _Replayer:
             t0 = time.perf_counter()
             if self.predictor is not None:
                 guard.call("predictor", self.predictor, "predict", tree, level)
-                guard.check_predicted_experts(self.predictor, tree, self.spec.num_layers, self.spec.top_k,
+                guard.check_predicted_experts(self.predictor, tree, level, self.spec.num_layers, self.spec.top_k,
                                               self.spec.num_experts)
             t_sel = time.perf_counter()
             overhead += t_sel - t0
