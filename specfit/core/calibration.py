@@ -15,9 +15,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import os
 import platform
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -144,14 +145,33 @@ def check_calibration_destination(path: Path) -> Path:
 
 
 def load_constants(path: str | Path) -> CostConstants:
+    """Stored constants; a file that is not one (bad bytes, bad JSON, missing or bad values) names itself."""
     path = Path(path).expanduser()
+    where = f"cost_model.calibration={path}"
     if not path.is_file():
-        raise ConfigError(f"cost_model.calibration={path}: no such file (run `specfit calibrate` to make one)")
+        raise ConfigError(f"{where}: no such file (run `specfit calibrate` to make one)")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        constants = CostConstants.from_json(data["constants"])
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # bad JSON, not UTF-8, wrong shape
-        raise ConfigError(f"cost_model.calibration={path}: not a specfit calibration file ({exc})") from exc
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where}: not UTF-8 text (byte {exc.start}); not a specfit calibration file") from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: not valid JSON ({exc.msg}, line {exc.lineno}); not a specfit calibration file") from exc
+    stored = data.get("constants") if isinstance(data, dict) else None
+    if not isinstance(stored, dict):
+        raise ConfigError(f"{where}: no \"constants\" object; not a specfit calibration file")
+    for name, field in CostConstants.__dataclass_fields__.items():
+        if name in ("samples", "source"):
+            continue
+        if name not in stored:
+            if field.default is MISSING:
+                raise ConfigError(f"{where}: constants.{name} is missing")
+            continue
+        value = stored[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ConfigError(f"{where}: constants.{name}={json.dumps(value)[:40]} must be a finite number >= 0")
+    constants = CostConstants.from_json(stored)
+    if isinstance(constants.samples, bool) or not isinstance(constants.samples, int):
+        constants.samples = 0  # informative only: a bad count is not worth refusing the file for
     constants.source = str(path)
     return constants
 
