@@ -1,17 +1,23 @@
 """``specfit <command> [overrides]``: every argument after the command is a Hydra override.
 
 Hydra's own flags work too (``--cfg job`` prints the composed config, ``-m`` sweeps, ``--help``).
-Problems the user can fix are printed as one line (``specfit: error: ...``), exit status 2.
+How a run ends, whatever went wrong (``verbose=true`` or ``HYDRA_FULL_ERROR=1`` adds the traceback):
+
+- a problem the user can fix (a SpecfitError, a Hydra/OmegaConf config error, a file that cannot be
+  read or written): one line ``specfit: error: ...`` on stderr, exit status 2;
+- Ctrl-C: ``specfit: interrupted``, exit status 130;
+- anything else is a bug: ``specfit: internal error: <Type>: <message> (...)``, exit status 1.
 """
 
 from __future__ import annotations
 
-import re
+import os
 import sys
+import traceback
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn
 
-from specfit.errors import SpecfitError
+from specfit.errors import ConfigError, SpecfitError
 
 USAGE = """usage: specfit <command> [key=value ...] [hydra flags]
 
@@ -44,30 +50,93 @@ TRAIN_COMMANDS: dict[str, tuple[str, str, str]] = {
     "eval-target": ("specfit.training.target", "EvalTargetConfig", "eval_target"),
 }
 
-# Hydra flags that take a value: skipped when pre-validating overrides.
-_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
-                     "--config-dir", "-cd", "--experimental-rerun", "--info", "-i"}
-_SWEEP = re.compile(r"(^|=)\s*(range|choice|glob|interval|shuffle|sort|tag)\(|,")
+_TRUE = ("true", "1", "yes", "on")
 
 
-def _fail(message: str) -> None:
-    print(f"specfit: error: {message}", file=sys.stderr)
+def _fail(message: str) -> NoReturn:
+    print(f"specfit: error: {_one_line(message)}", file=sys.stderr)
     raise SystemExit(2)
 
 
+def _one_line(message: str) -> str:
+    return " ".join(str(message).split())
+
+
+def _from_config_library(exc: BaseException) -> bool:
+    """Hydra and OmegaConf raise their own types for config mistakes (an override that does not parse)."""
+    return any(c.__module__.split(".")[0] in ("hydra", "omegaconf") for c in type(exc).__mro__)
+
+
+def exit_for(exc: BaseException, verbose: bool = False) -> NoReturn:
+    """End the process for ``exc``: one line and an exit status (see the module docstring)."""
+    if isinstance(exc, KeyboardInterrupt):
+        print("specfit: interrupted", file=sys.stderr)
+        raise SystemExit(130)
+    if isinstance(exc, SystemExit):
+        raise exc
+    if verbose:
+        traceback.print_exception(exc)
+    if isinstance(exc, SpecfitError):
+        _fail(str(exc))
+    if _from_config_library(exc):
+        from specfit.config import one_line_config_error
+
+        _fail(one_line_config_error(exc))
+    if isinstance(exc, OSError):  # the machine, not specfit: a missing or unwritable path, a full disk
+        _fail(f"{exc.filename}: {exc.strerror or exc}" if exc.filename is not None else str(exc))
+    hint = "" if verbose else " (run with verbose=true for the traceback)"
+    print(f"specfit: internal error: {type(exc).__name__}: {_one_line(str(exc))}{hint}", file=sys.stderr)
+    raise SystemExit(1)
+
+
+def verbose_requested(args: list[str]) -> bool:
+    """``verbose=true`` among the overrides, or HYDRA_FULL_ERROR=1 (Hydra's own switch for tracebacks)."""
+    if os.environ.get("HYDRA_FULL_ERROR", "").strip().lower() in _TRUE:
+        return True
+    return any(a.split("=", 1)[1].strip().lower() in _TRUE for a in args if _is_verbose(a))
+
+
+def _is_verbose(arg: str) -> bool:
+    return "=" in arg and arg.split("=", 1)[0].lstrip("+") == "verbose"
+
+
+def _hydra_args(args: list[str]):
+    """Parse the command line as Hydra will, so that a bad flag is one line, not argparse's usage."""
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+
+    def error(message: str) -> NoReturn:
+        raise ConfigError(f"{message} (settings are key=value; Hydra flags: --cfg job, -m, --help)")
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser.parse_args(args)
+
+
 def plain_overrides(args: list[str]) -> list[str]:
-    """The key=value overrides of ``args`` that compose() can check up front (no flags, sweeps, hydra.*)."""
+    """The overrides of ``args`` that compose() can check up front (no flags, sweeps or hydra.* keys).
+
+    An override that does not parse is kept: compose() then reports it in one line."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
     out, skip = [], False
     for a in args:
         if skip:
             skip = False
             continue
         if a.startswith("-"):
-            skip = a in _FLAGS_WITH_VALUE
+            skip = a in ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+                         "--config-dir", "-cd", "--experimental-rerun")
             continue
-        key = a.split("=", 1)[0].lstrip("+~")
-        if "=" in a and not key.startswith("hydra") and not _SWEEP.search(a.split("=", 1)[1] if "=" in a else a):
-            out.append(a)
+        if a.split("=", 1)[0].lstrip("+~").startswith("hydra"):
+            continue
+        try:
+            if parser.parse_overrides([a])[0].is_sweep_override():
+                continue
+        except Exception:  # noqa: BLE001 - compose() names the problem
+            pass
+        out.append(a)
     return out
 
 
@@ -115,11 +184,11 @@ def _trainer(command: str) -> Callable:
     return job
 
 
-def _run_hydra(command: str, args: list[str]) -> None:
+def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    from specfit.config import compose
+    from specfit.config import check_config, compose
     from specfit.registry import get_plugins
 
     get_plugins()  # plugin configs must be in Hydra's ConfigStore before it composes
@@ -129,29 +198,49 @@ def _run_hydra(command: str, args: list[str]) -> None:
     else:
         job = _job(command)
         config_name = HYDRA_COMMANDS[command]
-    overrides = plain_overrides(args)
-    is_query = any(a in ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i") for a in args)
-    if not is_query and not any(a in ("-m", "--multirun") for a in args):
-        compose(overrides, config_name=config_name)  # one clear line for a bad key, before Hydra's verbose report
+    flags = _hydra_args(args)
+    is_query = flags.help or flags.hydra_help or flags.cfg or flags.info or flags.shell_completion
+    elsewhere = flags.config_path or flags.config_name or flags.config_dir or flags.experimental_rerun
+    if not (is_query or elsewhere or flags.multirun):
+        # one clear line for a bad key or value, before Hydra starts and before any model is built
+        check_config(compose(plain_overrides(args), config_name=config_name))
 
     @hydra.main(version_base="1.3", config_path="pkg://specfit.conf", config_name=config_name)
     def app(cfg) -> None:
         hc = HydraConfig.get()
         try:
+            check_config(cfg)  # again: a multirun job's config was not checked up front
             job(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task))
-        except SpecfitError as exc:
-            _fail(str(exc))
+        except BaseException as exc:  # noqa: BLE001 - a multirun job's error would be swallowed by Hydra
+            exit_for(exc, verbose)
 
     sys.argv = [f"specfit-{command}", *args]
-    app()
+    full_error = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises its errors: main() prints them as one line
+    try:
+        app()
+    finally:
+        if full_error is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = full_error
+
+
+def _arg_parser(prog: str, description: str):
+    """argparse, but a mistake is one ``specfit: error:`` line rather than usage and a message."""
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> NoReturn:
+            raise ConfigError(f"{prog}: {message} (see {prog} --help)")
+
+    return Parser(prog=prog, description=description)
 
 
 def _report(args: list[str]) -> None:
-    import argparse
-
     from specfit.report import write_report
 
-    parser = argparse.ArgumentParser(prog="specfit report", description="results.jsonl files or run directories -> report.md and PNG plots")
+    parser = _arg_parser("specfit report", "results.jsonl files or run directories -> report.md and PNG plots")
     parser.add_argument("results", nargs="+", help="results.jsonl files, or directories searched for them (a sweep)")
     parser.add_argument("--out", default=None, help="output directory (default: beside the first results)")
     ns = parser.parse_args(args)
@@ -160,25 +249,42 @@ def _report(args: list[str]) -> None:
     print(f"report: {write_report(ns.results, out)}")
 
 
+def _plugins(args: list[str]) -> None:
+    from specfit.commands.plugins import run
+
+    parser = _arg_parser("specfit plugins", "list registered plugins")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    run(as_json=parser.parse_args(args).json)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return
+    if args[0] == "--version":
+        from specfit import __version__
+
+        print(f"specfit {__version__}")
+        return
     command, rest = args[0], args[1:]
+    verbose = verbose_requested(rest)
+    if command in TRAIN_COMMANDS:
+        rest = [a for a in rest if not _is_verbose(a)]  # a CLI switch here, not a trainer setting
     try:
         if command == "plugins":
-            from specfit.commands.plugins import run
-
-            run(as_json="--json" in rest)
+            _plugins(rest)
         elif command == "report":
             _report(rest)
         elif command in HYDRA_COMMANDS or command in TRAIN_COMMANDS:
-            _run_hydra(command, rest)
+            _run_hydra(command, rest, verbose)
         else:
-            _fail(f"unknown command {command!r}\n{USAGE}")
-    except SpecfitError as exc:
-        _fail(str(exc))
+            known = ", ".join([*HYDRA_COMMANDS, "report", "plugins", *TRAIN_COMMANDS])
+            _fail(f"unknown command {command!r} (commands: {known}; `specfit --help` shows how to use them)")
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - every way a run can end gets its one line
+        exit_for(exc, verbose)
 
 
 if __name__ == "__main__":

@@ -171,6 +171,9 @@ class SpecfitConfig:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     results_file: str = "results.jsonl"
+    # bench/demo: skip the runs already in results_file with the same config; record: continue the
+    # incomplete trace at trace.path (an interrupted run prints the exact command)
+    resume: bool = False
     # Comparisons (`specfit demo`, `specfit bench`): named methods, each a list of overrides
     # (method_presets), run side by side on the same prompts of each workload in `workloads`
     # (empty: the config's own workload), interleaved, `repeats` times.
@@ -225,19 +228,20 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictC
                 cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
     except Exception as exc:  # hydra/omegaconf raise many types; all are config mistakes here
         raise ConfigError(one_line_config_error(exc)) from exc
-    check_config(cfg)
+    check_config(cfg, relations=False)  # bench composes single overrides to see which methods they fit
     return cfg
 
 
 # --------------------------------------------------------------------------- checks after composition
 
 
-def check_config(cfg: DictConfig) -> None:
+def check_config(cfg: DictConfig, relations: bool = True) -> None:
     """What composition lets through: keys added with ``+`` or removed with ``~``, and values.
 
     Hydra's ``+key=value`` adds a key even to a typed node, where it would be silently ignored (or
     break deep inside); every value of the main config is checked here, before any model is built.
-    Plugin configs run their own ``__post_init__`` checks.
+    Plugin configs run their own ``__post_init__`` checks. ``relations``: also the checks that
+    involve several keys (methods and method_presets, prompt and prompt_ids).
     """
     from omegaconf import OmegaConf
 
@@ -246,6 +250,8 @@ def check_config(cfg: DictConfig) -> None:
         return  # the trainers' configs: their dataclasses check themselves
     try:
         _check_values(cfg)
+        if relations:
+            _check_relations(cfg)
     except ConfigError:
         raise
     except Exception as exc:  # an interpolation that does not resolve, a value of the wrong type
@@ -288,18 +294,40 @@ def _check_values(cfg: DictConfig) -> None:
     if cfg.prompt_ids is not None:
         token_ids("prompt_ids", cfg.prompt_ids, allow_empty=False)
     token_ids("stop_token_ids", cfg.stop_token_ids)
-    given = [k for k in ("prompt", "prompt_ids", "prompt_file") if cfg.get(k) is not None]
-    if len(given) > 1:
-        raise ConfigError(f"give one of prompt, prompt_ids and prompt_file, not {' and '.join(given)}")
+    if cfg.prompt_file not in (None, "-"):  # read when the prompts are; a missing file fails before any model
+        from pathlib import Path
+
+        path = Path(cfg.prompt_file).expanduser()
+        if path.is_dir():
+            raise ConfigError(f"prompt_file={cfg.prompt_file} is a directory, not a text file")
+        if not path.is_file():
+            raise ConfigError(f"prompt_file={cfg.prompt_file}: no such file")
     SamplingParams(**OmegaConf.to_container(cfg.sampling))
-    for method in cfg.methods:
-        if method not in cfg.method_presets:
-            raise ConfigError(f"methods: {method!r} has no entry in method_presets "
-                              f"(known: {', '.join(cfg.method_presets)})")
+    _check_workload(cfg.workload)
     for kind in PLUGIN_BASES:
         node = cfg.get(kind)
         if node is not None:
             OmegaConf.to_object(node)  # the plugin config's own __post_init__ checks
+
+
+def _check_relations(cfg: DictConfig) -> None:
+    given = [k for k in ("prompt", "prompt_ids", "prompt_file") if cfg.get(k) is not None]
+    if len(given) > 1:
+        raise ConfigError(f"give one of prompt, prompt_ids and prompt_file, not {' and '.join(given)}")
+    for key, names in (("methods", list(cfg.methods)), ("baseline", [cfg.baseline])):
+        for method in names:
+            if method not in cfg.method_presets:
+                raise ConfigError(f"{key}: {method!r} has no entry in method_presets "
+                                  f"(known: {', '.join(cfg.method_presets)})")
+
+
+def _check_workload(workload: DictConfig) -> None:
+    from specfit.validation import choice, integer, optional_integer
+
+    choice("workload.kind", workload.kind, ("inline", "prose", "summary", "gsm", "jsonl", "hf"))
+    integer("workload.num_prompts", workload.num_prompts, minimum=1)
+    integer("workload.prompt_chars", workload.prompt_chars, minimum=1)
+    optional_integer("workload.max_prompts", workload.max_prompts, minimum=1)
 
 
 def one_line_config_error(exc: BaseException) -> str:

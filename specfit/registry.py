@@ -21,7 +21,7 @@ import pluggy
 
 from specfit import __version__
 from specfit.config import PLUGIN_BASES, store_schemas
-from specfit.errors import PluginError
+from specfit.errors import ConfigError, PluginError, SpecfitError
 from specfit.interfaces import hookspecs
 from specfit.interfaces.protocols import KINDS
 
@@ -127,27 +127,50 @@ class Registry:
             raise PluginError(f"unknown {self.kind} '{name}' (registered: {known})") from None
 
     def create(self, cfg: Any) -> Any:
-        """Build the plugin named by ``cfg.name`` from its config (a DictConfig or dataclass)."""
+        """Build the plugin named by ``cfg.name`` from its config (a DictConfig or dataclass).
+
+        A bad value raises :class:`ConfigError` naming the key (the config's ``__post_init__`` or the
+        plugin's constructor); a plugin that cannot be built from its own config, a PluginError.
+        """
         from omegaconf import DictConfig, OmegaConf
 
         if isinstance(cfg, DictConfig):
-            cfg = OmegaConf.to_object(cfg)
-        entry = self.get(cfg.name)
+            try:
+                cfg = OmegaConf.to_object(cfg)  # runs the Config's __post_init__ checks
+            except SpecfitError:
+                raise
+            except ValueError as exc:  # a third-party Config's own check
+                raise ConfigError(f"{self.kind}: {_one_line(exc)}") from exc
+            except Exception as exc:  # an omegaconf error: a missing or mistyped value
+                from specfit.config import one_line_config_error
+
+                raise ConfigError(f"{self.kind}: {one_line_config_error(exc)}") from exc
+        name = getattr(cfg, "name", None)
+        if not isinstance(name, str):
+            raise PluginError(f"a {self.kind} config needs a `name` (a registered {self.kind}), got {type(cfg).__name__}")
+        entry = self.get(name)
         if not isinstance(cfg, entry.cls.Config):
             raise PluginError(
                 f"{self.kind}.name={cfg.name!r} but the {self.kind} config is {type(cfg).__name__}; "
                 f"select the plugin with {self.kind}={cfg.name}"
             )
         from_config = getattr(entry.cls, "from_config", None)
-        if from_config is not None:
-            return from_config(cfg)
-        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-        params = inspect.signature(entry.cls).parameters
-        kwargs = {k: v for k, v in fields.items() if k in params}
         try:
-            return entry.cls(**kwargs)
-        except (TypeError, ValueError) as exc:
-            raise PluginError(f"{self.kind} '{entry.name}': {exc}") from exc
+            if from_config is not None:
+                return from_config(cfg)
+            fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+            params = inspect.signature(entry.cls).parameters
+            return entry.cls(**{k: v for k, v in fields.items() if k in params})
+        except SpecfitError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(f"{self.kind} '{entry.name}': {_one_line(exc)}") from exc
+        except TypeError as exc:
+            raise PluginError(f"{self.kind} '{entry.name}' cannot be built from its config: {_one_line(exc)}") from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 class Plugins:

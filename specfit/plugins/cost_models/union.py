@@ -20,6 +20,7 @@ from specfit.core.moe import MoESpec
 from specfit.core.search import SearchProblem, evaluate
 from specfit.core.tree import DraftTree
 from specfit.errors import ConfigError
+from specfit.validation import number
 
 
 @dataclass
@@ -35,6 +36,13 @@ class UnionCostConfig(CostModelConfig):
     c_hit: float | None = None
     c_level: float | None = None
     c_draft0: float | None = None
+
+    def __post_init__(self) -> None:
+        for key in OVERRIDES:
+            if getattr(self, key) is not None:
+                number(f"cost_model.{key}", getattr(self, key), minimum=0)
+        if not isinstance(self.calibration, str) or not self.calibration:
+            raise ConfigError(f"cost_model.calibration={self.calibration!r} must be auto or a file path")
 
 
 OVERRIDES = ("c0", "c_tok", "c_miss", "c_hit", "c_level", "c_draft0")

@@ -19,6 +19,7 @@ import numpy as np
 from specfit.config import PredictorConfig
 from specfit.core.router_probe import RouterProbe
 from specfit.core.tree import ROOT, DraftTree
+from specfit.validation import integer, number
 
 
 @dataclass
@@ -27,6 +28,11 @@ class HistoryPredictorConfig(PredictorConfig):
     max_keys: int = 65536  # distinct tokens (and token pairs) remembered; least recently seen are dropped
     pair_weight: float = 1.0  # weight of the (previous token, token) statistics over the token's own
     prior: float = 0.5  # weight of the layer-wide frequencies
+
+    def __post_init__(self) -> None:
+        integer("predictor.max_keys", self.max_keys, minimum=1)
+        number("predictor.pair_weight", self.pair_weight, minimum=0)
+        number("predictor.prior", self.prior, minimum=0)
 
 
 class _Counts:
