@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -9,17 +10,21 @@ from omegaconf import DictConfig, OmegaConf
 
 from specfit.api import build
 from specfit.errors import ConfigError
+from specfit.files import check_writable
 from specfit.results import append_jsonl, stats_line
 
 
 def prompts_of(cfg: DictConfig) -> list[str | list[int]]:
-    """The prompts a config asks for: ``prompt_ids`` / ``prompt``, else the workload's."""
-    if cfg.prompt_ids is not None and cfg.prompt is not None:
-        raise ConfigError("give prompt or prompt_ids, not both")
+    """The prompts a config asks for: ``prompt_ids`` / ``prompt`` / ``prompt_file``, else the workload's."""
+    given = [k for k in ("prompt", "prompt_ids", "prompt_file") if cfg.get(k) is not None]
+    if len(given) > 1:
+        raise ConfigError(f"give one of prompt, prompt_ids and prompt_file, not {' and '.join(given)}")
     if cfg.prompt_ids is not None:
         return [list(cfg.prompt_ids)]
     if cfg.prompt is not None:
         return [str(cfg.prompt)]
+    if cfg.get("prompt_file") is not None:
+        return [read_prompt_file(cfg.prompt_file)]
     from specfit.workloads import load_workload
 
     prompts = load_workload(cfg.workload)
@@ -28,7 +33,36 @@ def prompts_of(cfg: DictConfig) -> list[str | list[int]]:
     return prompts
 
 
+def read_prompt_file(path: str) -> str:
+    """``prompt_file=PATH`` (``-``: standard input) as UTF-8 text: no shell quoting of the prompt needed.
+
+    One final line break is dropped (editors and ``echo`` add it); everything else is kept as written.
+    """
+    where = f"prompt_file={path}" + (" (standard input)" if path == "-" else "")
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).expanduser().read_bytes()
+    except (AttributeError, ValueError):  # no standard input to read (closed, or not a byte stream)
+        raise ConfigError(f"{where}: there is no readable standard input") from None
+    except FileNotFoundError:
+        raise ConfigError(f"prompt_file={path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"prompt_file={path} is a directory, not a text file") from None
+    except OSError as exc:
+        raise ConfigError(f"prompt_file={path}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        text = data.decode("utf-8-sig")  # a byte-order mark is not part of the prompt
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where} is not UTF-8 text (byte {exc.start}: {data[exc.start:exc.start + 1]!r}); "
+                          f"convert it, e.g. with iconv -t utf-8") from None
+    text = text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
+    if not text:
+        raise ConfigError(f"{where} is empty")
+    return text
+
+
 def run(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
+    """Decode each prompt; its row goes to the results file as soon as it is done (checked writable first)."""
+    path = check_writable(output_dir / cfg.results_file, "results_file")
     engine = build(cfg)
     rows = []
     config = OmegaConf.to_container(cfg, resolve=True)
@@ -38,6 +72,6 @@ def run(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
         print(stats_line(out.stats))
         rows.append({"command": "generate", "prompt": prompt, "output_ids": out.token_ids, "text": out.text,
                      **out.stats, "config": config})
-    path = append_jsonl(output_dir / cfg.results_file, rows)
+        append_jsonl(path, rows[-1:])
     print(f"results: {path}")
     return rows
