@@ -150,7 +150,7 @@ def check_level(drafter: Any, tree: Any, level: Any, depth: int, vocab: int) -> 
     part = slice(level.start, level.stop)
     tokens = np.asarray(tree.tokens[part])
     if tokens.dtype.kind not in "iu" or int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
-        t = next(t for t in tree.tokens[part] if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab))
+        t = next((t for t in tree.tokens[part] if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab)), tokens.dtype)
         raise bad(f"token {t!r:.40} is outside the vocabulary (size {vocab})")
     parents = np.asarray(tree.parents[part], dtype=np.int64)
     low, high = (-1, -1) if depth == 1 else (tree.level_starts[-2], level.start - 1)
