@@ -138,7 +138,7 @@ class SamplingConfig:
 
 @dataclass
 class TraceConfig:
-    """`specfit record` writes, `specfit replay` reads (method.md section 7)."""
+    """`specfit record` writes, `specfit replay` reads (docs/method.md section 7)."""
 
     path: str | None = None  # record: null writes trace/ in the run directory; replay: required
     overwrite: bool = False  # record: replace a trace already at trace.path

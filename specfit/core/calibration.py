@@ -1,7 +1,7 @@
 """Calibrating the cycle-time cost model from measured cycles, and storing the constants.
 
 Measured per cycle (``CycleRecord``): verified nodes n, expert hits and misses of the pass, H2D
-seconds, drafting and selection seconds, total seconds. The model (method.md section 2):
+seconds, drafting and selection seconds, total seconds. The model (docs/method.md section 2):
 
     cycle = c0 + c_tok * (n + 1) + c_miss * misses + c_hit * hits + D,   D = drafting + selection
 

@@ -1,4 +1,4 @@
-"""Exact trace recording and replay (method.md section 7).
+"""Exact trace recording and replay (docs/method.md section 7).
 
 ``record_trace(engine, prompts)`` decodes greedily and keeps, for every position of the output, the
 candidate tree with the target's argmax and routing per node; ``replay_trace(trace, selector, cache,

@@ -1,7 +1,7 @@
 """Exact replay of a trace: any selector, cache policy and cost model, without the target's passes.
 
 Under greedy decoding the committed sequence is fixed; only the cycle boundaries depend on the
-selector (method.md section 7). The replay walks a recorded sequence as the engine would: at the
+selector (docs/method.md section 7). The replay walks a recorded sequence as the engine would: at the
 current position it rebuilds the recorded tree level by level, runs the predictor and the selector
 after each level (with the simulated cache's residency and the recorded or modelled draft time),
 reads the accepted path off the recorded argmaxes, charges the cost model's time for the cache

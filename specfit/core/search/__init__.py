@@ -1,4 +1,4 @@
-"""Exact search for the draft subtree that maximises predicted throughput (method.md section 3).
+"""Exact search for the draft subtree that maximises predicted throughput (docs/method.md section 3).
 
     problem = SearchProblem(parents, accept, node_experts, root_experts, resident,
                             c0=..., c_tok=..., c_miss=..., c_hit=..., draft_time=...)

@@ -1,6 +1,6 @@
 """Exact maximum of predicted throughput rho(S) = N(S) / T(S) over ancestor-closed subtrees.
 
-Method (method.md section 3):
+Method (docs/method.md section 3):
 
 * Dinkelbach on the ratio. lambda starts at rho of the best known set (the empty set, a
   marginal-ratio greedy's set, the caller's `initial`); for fixed lambda, S' = argmax

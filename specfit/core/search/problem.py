@@ -1,4 +1,4 @@
-"""The subtree-selection problem of method.md section 2, and its reference evaluation.
+"""The subtree-selection problem of docs/method.md section 2, and its reference evaluation.
 
 A `SearchProblem` is plain data: a draft tree (parents, acceptance estimates), the experts each
 node is predicted to activate, the cache state and the cost constants. `evaluate` is the slow,

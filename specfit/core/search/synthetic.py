@@ -1,6 +1,6 @@
 """Synthetic selection instances: paper-scale trees for the benchmark, small ones for tests.
 
-Paper scale (method.md sections 1 and 3): Qwen3-30B-A3B (48 layers, 128 experts, top-8, one
+Paper scale (docs/method.md sections 1 and 3): Qwen3-30B-A3B (48 layers, 128 experts, top-8, one
 expert ~9.4 MB bf16) on PCIe 4.0 (~25 GB/s effective), so one expert miss costs ~0.38 ms; the
 draft tree is EAGLE-2/3-shaped (root branches into `branching` children, a beam of `beam` nodes is
 expanded per level for `depth` levels, the `n_nodes` best nodes by path probability are kept).

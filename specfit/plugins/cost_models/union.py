@@ -1,4 +1,4 @@
-"""The expert-union cost model (method.md section 2).
+"""The expert-union cost model (docs/method.md section 2).
 
 A cycle that verifies subtree S costs ``c0 + c_tok (|S| + 1) + sum_l [c_miss |U_l \\ R_l| +
 c_hit |U_l & R_l|] + D``, where U_l is the union of the experts the root and S activate in layer
@@ -104,7 +104,7 @@ class UnionCostModel:
     # ------------------------------------------------------------------ predictions
 
     def problem(self, tree: DraftTree, accept: np.ndarray, resident: np.ndarray, draft_seconds: float) -> SearchProblem:
-        """The selection instance for ``tree`` (method.md sections 2-3)."""
+        """The selection instance for ``tree`` (docs/method.md sections 2-3)."""
         c = self.constants
         layers, k = self.spec.num_layers, self.spec.top_k
         if tree.root_experts is None or (tree.experts is None and len(tree)):

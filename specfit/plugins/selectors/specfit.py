@@ -1,5 +1,5 @@
 """SpecFit: verify the subtree with the highest predicted throughput, found exactly, and stop
-drafting when another level cannot pay (method.md sections 2-3).
+drafting when another level cannot pay (docs/method.md sections 2-3).
 
 After every draft level the exact search (:mod:`specfit.core.search`) finds the ancestor-closed
 subtree S maximising rho(S) = N(S) / T(S) among the nodes EAGLE's reranking keeps (the
