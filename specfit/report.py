@@ -29,11 +29,37 @@ def read_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
         if not files or not all(f.is_file() for f in files):
             raise ConfigError(f"report: no results found at {path}")
         for f in files:
-            rows += read_jsonl(f, key="report")  # a torn last line (an interrupted run) is skipped
+            file_rows = read_jsonl(f, key="report")  # a torn last line (an interrupted run) is skipped
+            _check_runs(f, file_rows)
+            rows += file_rows
     runs = [r for r in rows if "output_throughput" in r]
     if not runs:
         raise ConfigError("report: the results hold no decoding runs (rows with output_throughput)")
     return runs
+
+
+#: Fields the report averages and sums: a run whose value is not a number would fail deep in the tables.
+NUMERIC = ("output_throughput", "num_output_tokens", "total_seconds", "cycles", "draft_seconds", "select_seconds",
+           "verify_compute_seconds", "h2d_seconds", "h2d_bytes", "expert_cache_hits", "expert_cache_misses",
+           "spec_decode_acceptance_length", "verified_nodes_per_cycle", "experts_per_layer_union", "predictor_recall",
+           "predictor_precision")
+
+
+def _check_runs(f: Path, rows: Sequence[dict[str, Any]]) -> None:
+    """Decoding runs (rows with output_throughput) carry the numbers the tables need; else name file and line."""
+    lines = [n for n, line in enumerate(f.read_bytes().decode("utf-8").split("\n"), 1) if line.strip()]
+    for n, row in zip(lines, rows):
+        if "output_throughput" not in row:
+            continue
+        for key in ("num_output_tokens", "total_seconds"):
+            if key not in row:
+                raise ConfigError(f"report: {f} line {n}: a run row without {key}")
+        for key in NUMERIC:
+            value = row.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"report: {f} line {n}: {key}={json.dumps(value)[:40]} is not a number")
+        if not isinstance(row.get("config", {}), dict):
+            raise ConfigError(f"report: {f} line {n}: config is not an object")
 
 
 def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
