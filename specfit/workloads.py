@@ -49,6 +49,7 @@ def describe(cfg: DictConfig) -> dict[str, str]:
 
 
 def _held_out(cfg: DictConfig) -> list[str]:
+    from specfit.data.gsm import TemplateError
     from specfit.data.paths import DataDirError
     from specfit.data.prompts import gsm_prompts, prose_prompts
 
@@ -56,7 +57,7 @@ def _held_out(cfg: DictConfig) -> list[str]:
         if cfg.kind == "gsm":
             return gsm_prompts(cfg.data_dir, cfg.num_prompts, cfg.seed)
         passages = prose_prompts(cfg.data_dir, cfg.num_prompts, cfg.prompt_chars, cfg.seed)
-    except (DataDirError, FileNotFoundError) as exc:
+    except (DataDirError, FileNotFoundError, TemplateError) as exc:  # missing or malformed data files
         raise ConfigError(f"workload={cfg.name}: {exc}") from exc
     return [p.rstrip() + SUMMARY_CUE for p in passages] if cfg.kind == "summary" else passages
 

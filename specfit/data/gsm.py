@@ -302,15 +302,22 @@ def template_path(data_dir: str | os.PathLike[str] | None, template_id: int) -> 
 def load_template(data_dir: str | os.PathLike[str] | None, template_id: int) -> Template:
     """Read and parse ``gsm/eng/NNNN.toml``."""
     path = template_path(data_dir, template_id)
-    with path.open("rb") as fh:
-        return parse_template(template_id, tomllib.load(fh))
+    try:
+        with path.open("rb") as fh:
+            return parse_template(template_id, tomllib.load(fh))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, KeyError, TypeError, TemplateError) as exc:
+        raise TemplateError(f"{path}: not a usable template ({type(exc).__name__}: {exc})") from exc
 
 
 def load_replacements(data_dir: str | os.PathLike[str] | None) -> dict[str, list[Any]]:
     """The name/value lists of ``gsm/replacements.json`` (JSON arrays of pairs become tuples)."""
     root = resolve_data_dir(data_dir, "gsm/replacements.json")
-    raw = json.loads((root / "gsm" / "replacements.json").read_text(encoding="utf-8"))
-    return {k: [tuple(v) if isinstance(v, list) else v for v in vals] for k, vals in raw.items()}
+    path = root / "gsm" / "replacements.json"
+    try:
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+        return {k: [tuple(v) if isinstance(v, list) else v for v in vals] for k, vals in raw.items()}
+    except (ValueError, AttributeError, TypeError) as exc:  # bad JSON or bytes, or not an object of lists
+        raise TemplateError(f"{path}: not a usable replacements file ({type(exc).__name__}: {exc})") from exc
 
 
 # --------------------------------------------------------------------------------------------
@@ -509,9 +516,13 @@ def load_original_problems(data_dir: str | os.PathLike[str] | None,
     """The original GSM8K problems (``question`` / ``answer`` fields) of the given templates."""
     out = []
     for tid in templates:
-        with template_path(data_dir, tid).open("rb") as fh:
-            data = tomllib.load(fh)
-        answer = data["answer"].strip()
+        path = template_path(data_dir, tid)
+        try:
+            with path.open("rb") as fh:
+                data = tomllib.load(fh)
+            answer = data["answer"].strip()
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError, KeyError, AttributeError) as exc:
+            raise TemplateError(f"{path}: not a usable template ({type(exc).__name__}: {exc})") from exc
         fm = re.search(r"####\s*(.+?)\s*$", answer)
         out.append(Problem(tid, data["question"].strip(), answer, fm.group(1).strip() if fm else ""))
     return out
