@@ -79,6 +79,18 @@ class CacheConfig(PluginConfig):
         optional_integer("cache.capacity_bytes", self.capacity_bytes, minimum=1)
         if self.copy not in COPY_KINDS:
             raise ConfigError(f"unknown copy engine cache.copy={self.copy!r}; valid values: {', '.join(COPY_KINDS)}")
+        if self.capacity is not None and self.capacity_bytes is not None:
+            raise ConfigError("set cache.capacity or cache.capacity_bytes, not both")
+        if self.copy == "emulated":  # the link's settings only matter to the emulated engine
+            from dataclasses import asdict
+
+            from specfit.core.copy_engines import LinkSettings
+
+            link = self.link if isinstance(self.link, LinkConfig) else LinkConfig(**dict(self.link))
+            try:
+                LinkSettings(**asdict(link)).resolve()
+            except (KeyError, ValueError) as exc:  # an unknown profile, a bandwidth <= 0
+                raise ConfigError(" ".join(str(exc).strip("'\"").split())) from None
 
 
 PLUGIN_BASES: dict[str, type[PluginConfig]] = {
@@ -304,6 +316,7 @@ def _check_values(cfg: DictConfig) -> None:
             raise ConfigError(f"prompt_file={cfg.prompt_file}: no such file")
     SamplingParams(**OmegaConf.to_container(cfg.sampling))
     _check_workload(cfg.workload)
+    _check_replay(cfg.replay)
     for kind in PLUGIN_BASES:
         node = cfg.get(kind)
         if node is not None:
@@ -314,6 +327,8 @@ def _check_relations(cfg: DictConfig) -> None:
     given = [k for k in ("prompt", "prompt_ids", "prompt_file") if cfg.get(k) is not None]
     if len(given) > 1:
         raise ConfigError(f"give one of prompt, prompt_ids and prompt_file, not {' and '.join(given)}")
+    if cfg.workload.kind == "jsonl" and cfg.workload.path is None:
+        raise ConfigError("workload.kind=jsonl needs workload.path=FILE")
     for key, names in (("methods", list(cfg.methods)), ("baseline", [cfg.baseline])):
         for method in names:
             if method not in cfg.method_presets:
@@ -322,12 +337,23 @@ def _check_relations(cfg: DictConfig) -> None:
 
 
 def _check_workload(workload: DictConfig) -> None:
+    from pathlib import Path
+
     from specfit.validation import choice, integer, optional_integer
 
     choice("workload.kind", workload.kind, ("inline", "prose", "summary", "gsm", "jsonl", "hf"))
     integer("workload.num_prompts", workload.num_prompts, minimum=1)
     integer("workload.prompt_chars", workload.prompt_chars, minimum=1)
     optional_integer("workload.max_prompts", workload.max_prompts, minimum=1)
+    if workload.path is not None and not Path(workload.path).expanduser().is_file():
+        raise ConfigError(f"workload.path={workload.path}: no such file")  # its contents: when it is read
+
+
+def _check_replay(replay: DictConfig) -> None:
+    from specfit.validation import choice, integer
+
+    choice("replay.draft_time", replay.draft_time, ("recorded", "modelled"))
+    integer("replay.warmup", replay.warmup, minimum=0)
 
 
 def one_line_config_error(exc: BaseException) -> str:
