@@ -196,10 +196,12 @@ class Engine:
 
     def _check_prompt_fits(self, prompt_tokens: int) -> None:
         """A prompt must leave room for at least one new token within the context limit."""
-        if self.max_model_len is not None and prompt_tokens >= self.max_model_len:
-            raise ConfigError(f"the prompt has {prompt_tokens} tokens, but the context limit (model.max_model_len, "
-                              f"else the model's max_position_embeddings) is {self.max_model_len}: no room for a new "
-                              f"token; shorten the prompt")
+        limit = self.max_model_len
+        if limit is not None and prompt_tokens >= limit:
+            native = getattr(self.model.config, "max_position_embeddings", None)
+            source = "the model's max_position_embeddings" if limit == native else f"model.max_model_len={limit}"
+            raise ConfigError(f"the prompt has {prompt_tokens} tokens, but the context limit is {limit} ({source}): "
+                              f"no room for a new token; shorten the prompt")
 
     def _context_room(self, sequence_tokens: int) -> int | None:
         """Tokens that may still be committed after ``sequence_tokens`` (prompt + output); None: no limit.

@@ -127,7 +127,7 @@ def test_prompt_that_fills_the_context(engines, long_text_ids):
     engine = engines("eagle3")
     out = engine.generate(long_text_ids[: CONTEXT - 1], max_new_tokens=8)
     assert len(out.token_ids) == 1 and out.finish_reason == "length"
-    with pytest.raises(ConfigError, match=f"prompt has {CONTEXT} tokens.*context limit.*is {CONTEXT}"):
+    with pytest.raises(ConfigError, match=f"prompt has {CONTEXT} tokens, but the context limit is {CONTEXT} .*max_position_embeddings"):
         engine.generate(long_text_ids[:CONTEXT], max_new_tokens=8)
 
 
@@ -138,7 +138,7 @@ def test_max_model_len_override():
     engine = Engine(tiny_model(), device="cpu", max_model_len=40)
     assert engine.max_model_len == 40
     assert len(engine.generate(list(range(1, 31)), max_new_tokens=64).token_ids) == 10
-    with pytest.raises(ConfigError, match="max_model_len"):
+    with pytest.raises(ConfigError, match="prompt has 40 tokens, but the context limit is 40 .model.max_model_len=40"):
         engine.generate(list(range(1, 41)), max_new_tokens=4)
     with pytest.raises(ConfigError, match=r"model.max_model_len=8192 exceeds .*max_position_embeddings=4096"):
         Engine(tiny_model(), device="cpu", max_model_len=8192)
