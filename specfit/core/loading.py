@@ -90,7 +90,7 @@ def load_checkpoint(path: str, dtype: str = "auto", attn_implementation: str = "
         path = str(local)
     elif path.startswith((".", "/", "~")) or path.count("/") != 1:
         raise ModelError(f"model.path={path}: no such directory")
-    check_architecture(path, attn_implementation)
+    check_architecture(path)
 
     # a progress bar per load only clutters comparisons of small models (the demo loads one per method)
     quiet = local.is_dir() and sum(f.stat().st_size for f in local.glob("*.safetensors")) < 2**30
@@ -181,7 +181,7 @@ def check_safetensors(file: Path, what: str = "") -> None:
         raise ModelError(f"{prefix}{file.name} is truncated: {size} bytes, its header needs {8 + header_len + end}")
 
 
-def check_architecture(path: str, attn_implementation: str = "sdpa") -> None:
+def check_architecture(path: str) -> None:
     """The config builds a causal LM with experts specfit can offload; built on the meta device (no memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -193,8 +193,8 @@ def check_architecture(path: str, attn_implementation: str = "sdpa") -> None:
         raise ModelError(f"model.path={path}: config.json is not a usable model config: {_first_line(exc)}") from exc
     kind = getattr(config, "model_type", "?")
     try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+        with torch.device("meta"):  # the default attention: whether it supports ours is from_pretrained's to say
+            model = AutoModelForCausalLM.from_config(config)
     except Exception as exc:  # noqa: BLE001
         raise ModelError(f"model.path={path}: model_type {kind!r} cannot be built as a causal LM: {_first_line(exc)}") from exc
     try:

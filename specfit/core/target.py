@@ -167,5 +167,7 @@ class Target:
             for handle in handles:
                 handle.remove()
         where = first[0] if first else "an unhooked module"
-        return ModelError(f"{type(model).__name__} produced non-finite logits (NaN or inf): {where} first produced "
-                          "non-finite values; check the checkpoint's weights (and model.dtype: float16 can overflow)")
+        source = getattr(model.config, "_name_or_path", "")  # the checkpoint directory, when loaded from one
+        name = f"model.path={source}: {type(model).__name__}" if source else type(model).__name__
+        return ModelError(f"{name} produced non-finite logits (NaN or inf): {where} first produced non-finite "
+                          "values; check the checkpoint's weights (and model.dtype: float16 can overflow)")
