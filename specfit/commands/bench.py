@@ -3,12 +3,15 @@
 Each method is a list of overrides (``method_presets``) composed on top of the job's config, per
 workload. Engines are built once per (method, workload); prompts then run interleaved across
 methods, ``repeats`` times, so drift of a shared machine spreads evenly over the methods. One JSON
-line per run goes to the results file; the table reports means, with speedups against the
-baseline (autoregressive decoding) and against vanilla EAGLE-3 without a cache.
+line per run goes to the results file as soon as the run completes (so an interrupted bench
+keeps every completed run, and ``resume=true`` skips them); the table reports means, with speedups
+against the baseline (autoregressive decoding) and against vanilla EAGLE-3 without a cache.
 """
 
 from __future__ import annotations
 
+import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ from specfit.api import build
 from specfit.commands.generate import prompts_of
 from specfit.config import compose
 from specfit.errors import ConfigError
+from specfit.files import check_writable, read_jsonl
 from specfit.results import append_jsonl, comparison_table, mean_stats
 from specfit.workloads import describe
 
@@ -54,54 +58,135 @@ def _composes(overrides: list[str]) -> bool:
 
 
 def check_overrides(cfg: DictConfig, overrides: list[str]) -> None:
+    """Each override must apply to at least one method (a typo is an error)."""
+    if any(_composes(overrides + list(cfg.method_presets.get(m, []))) for m in cfg.methods):
+        return  # one method takes them all: one composition instead of one per override and method
     for o in overrides:
         if not any(_composes([o] + list(cfg.method_presets.get(m, []))) for m in cfg.methods):
             compose([o], config_name=_config_name())  # raises the error that names the key
             raise ConfigError(f"override {o!r} applies to none of the methods {list(cfg.methods)}")
 
 
-def _progress(total: int):  # noqa: ANN202
+def _progress(total: int, initial: int = 0):  # noqa: ANN202
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=not sys.stderr.isatty())
+    return tqdm(total=total, initial=initial, desc="bench", unit="run", file=sys.stderr,
+                disable=not sys.stderr.isatty())
+
+
+# keys of a bench row that are not the run's stats (the rest is ``GenerationOutput.stats``)
+_ROW_KEYS = {"command", "method", "workload", "workload_kind", "workload_split", "prompt_index", "repeat", "config",
+             "output_ids"}
+
+
+def resume_command(output_dir: Path, replace: dict[str, str] | None = None) -> str:
+    """The command line that continues this job: its overrides, ``resume=true``, the same run directory."""
+    replace = dict(replace or {})
+    command, task, hydra = "bench", [], []
+    if HydraConfig.initialized():
+        hc = HydraConfig.get()
+        command, task = hc.job.config_name, list(hc.overrides.task)
+        hydra = [o for o in hc.overrides.hydra if not o.startswith(("hydra.run.dir=", "hydra.mode="))]
+    args = []
+    for o in task:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key == "resume":
+            continue
+        args.append(f"{key}={replace.pop(key)}" if key in replace else o)
+    args += [f"{k}={v}" for k, v in replace.items()] + hydra + ["resume=true", f"hydra.run.dir={output_dir}"]
+    return " ".join(["specfit", command, *map(shlex.quote, args)])
+
+
+def _completed(path: Path, configs: dict[str, DictConfig]) -> dict[tuple[str, str, int, int], dict[str, Any]]:
+    """Bench rows already in the results file whose method config is this job's (``resume=true``)."""
+    if not path.is_file():
+        return {}
+    wanted = {m: _plain(c) for m, c in configs.items()}
+    done = {}
+    for row in read_jsonl(path):
+        method = row.get("method")
+        if row.get("command") == "bench" and method in wanted and _plain(row.get("config")) == wanted[method]:
+            done[(row.get("workload"), method, row.get("prompt_index"), row.get("repeat"))] = row
+    return done
+
+
+def _plain(config: Any) -> Any:
+    """A config as stored in a results row, without ``resume`` (a resumed job differs only there)."""
+    if isinstance(config, DictConfig):
+        config = OmegaConf.to_container(config, resolve=True)
+    if not isinstance(config, dict):
+        return None
+    return json.loads(json.dumps({k: v for k, v in config.items() if k != "resume"}, default=str))
 
 
 def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[str, Any]]:
+    """Run every method on every prompt; each row is on disk as soon as its run completes.
+
+    With ``resume=true`` the runs already in the results file (same method config, workload,
+    prompt and repeat) are not run again: their rows count in the table as they are. Ctrl-C
+    prints the command that resumes the job before the interrupt ends it.
+    """
     if not cfg.methods:
         raise ConfigError("methods is empty: name the methods to compare, e.g. methods=[ar,eagle3,specfit]")
     check_overrides(cfg, overrides)
+    results = check_writable(output_dir / cfg.results_file, "results_file")
     workloads = list(cfg.workloads) or [None]
     rows: list[dict[str, Any]] = []
     summaries: list[dict[str, Any]] = []
-    for workload in workloads:
-        configs = {m: method_config(cfg, m, workload, overrides) for m in cfg.methods}
-        any_cfg = next(iter(configs.values()))
-        prompts = prompts_of(any_cfg)
-        engines = {m: build(c) for m, c in configs.items()}
-        about = describe(any_cfg.workload)
-        per_method: dict[str, list[dict[str, Any]]] = {m: [] for m in engines}
-        outputs: dict[int, dict[str, list[int]]] = {}
-        with _progress(cfg.repeats * len(prompts) * len(engines)) as bar:
-            for repeat in range(cfg.repeats):
-                for i, prompt in enumerate(prompts):
-                    for method, engine in engines.items():
-                        out = engine.generate(prompt)
-                        per_method[method].append(out.stats)
-                        outputs.setdefault(i, {})[method] = out.token_ids
-                        rows.append({"command": "bench", "method": method, **about, "prompt_index": i, "repeat": repeat,
-                                     **out.stats, "config": OmegaConf.to_container(configs[method], resolve=True)})
-                        bar.update()
-        identical = all(len({tuple(v) for v in o.values()}) == 1 for o in outputs.values())
-        summary = [{"method": m, **about, **mean_stats(s), "outputs_identical": identical} for m, s in per_method.items()]
-        summaries += summary
-        print(f"\nworkload {about['workload']} ({about['workload_split']}): {len(prompts)} prompts x {cfg.repeats} repeats, "
-              f"{cfg.max_new_tokens} new tokens, "
-              f"{'greedy' if cfg.sampling.temperature == 0 else f'sampling T={cfg.sampling.temperature}'}")
-        print(comparison_table(summary, baseline=cfg.baseline))
-        print(f"output tokens identical across methods: {'yes' if identical else 'NO'}")
-    path = append_jsonl(output_dir / cfg.results_file, rows)
-    append_jsonl(output_dir / "summary.jsonl", summaries)
+    finished = planned = 0
+    try:
+        for workload in workloads:
+            configs = {m: method_config(cfg, m, workload, overrides) for m in cfg.methods}
+            any_cfg = next(iter(configs.values()))
+            prompts = prompts_of(any_cfg)
+            about = describe(any_cfg.workload)
+            done = _completed(results, configs) if cfg.resume else {}
+            engines = {m: build(c) for m, c in configs.items()}
+            per_method: dict[str, list[dict[str, Any]]] = {m: [] for m in engines}
+            outputs: dict[int, dict[str, list[int]]] = {}
+            total = cfg.repeats * len(prompts) * len(engines)
+            planned += total
+            skipped = sum((about["workload"], m, i, r) in done for r in range(cfg.repeats)
+                          for i in range(len(prompts)) for m in engines)
+            finished += skipped
+            if cfg.resume:
+                print(f"resume: {skipped} of {total} runs of workload {about['workload']} are already in {results} "
+                      f"(same config); running the other {total - skipped}", file=sys.stderr)
+            with _progress(total, skipped) as bar:
+                for repeat in range(cfg.repeats):
+                    for i, prompt in enumerate(prompts):
+                        for method, engine in engines.items():
+                            row = done.get((about["workload"], method, i, repeat))
+                            if row is None:
+                                out = engine.generate(prompt)
+                                stats = out.stats
+                                row = {"command": "bench", "method": method, **about, "prompt_index": i,
+                                       "repeat": repeat, **stats, "output_ids": out.token_ids,
+                                       "config": OmegaConf.to_container(configs[method], resolve=True)}
+                                append_jsonl(results, [row])
+                                finished += 1
+                                bar.update()
+                            else:
+                                stats = {k: v for k, v in row.items() if k not in _ROW_KEYS}
+                            per_method[method].append(stats)
+                            if "output_ids" in row:
+                                outputs.setdefault(i, {})[method] = row["output_ids"]
+                            rows.append(row)
+            identical = all(len({tuple(v) for v in o.values()}) == 1 for o in outputs.values())
+            summary = [{"method": m, **about, **mean_stats(s), "outputs_identical": identical}
+                       for m, s in per_method.items()]
+            summaries += summary
+            print(f"\nworkload {about['workload']} ({about['workload_split']}): {len(prompts)} prompts x "
+                  f"{cfg.repeats} repeats, {cfg.max_new_tokens} new tokens, "
+                  f"{'greedy' if cfg.sampling.temperature == 0 else f'sampling T={cfg.sampling.temperature}'}")
+            print(comparison_table(summary, baseline=cfg.baseline))
+            print(f"output tokens identical across methods: {'yes' if identical else 'NO'}")
+    except KeyboardInterrupt:
+        print(f"specfit: interrupted: {finished} completed runs are in {results}; resume with: "
+              f"{resume_command(output_dir)}", file=sys.stderr, flush=True)
+        raise
+    append_jsonl(results.parent / "summary.jsonl", summaries)
     if any(r.get("h2d_emulated") for r in summaries):
         print("H2D times are EMULATED (cache.copy=emulated): each copy is charged the reference link's time.")
-    print(f"results: {path}")
+    print(f"results: {results}")
     return rows

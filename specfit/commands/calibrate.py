@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 from specfit.api import build, calibrate
 from specfit.commands.generate import prompts_of
 from specfit.errors import ConfigError
+from specfit.files import check_writable
 from specfit.results import append_jsonl
 
 
@@ -19,6 +20,7 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
         prompts = prompts_of(cfg)
     except ConfigError:
         prompts = None  # seeded random prompts
+    results = check_writable(output_dir / cfg.results_file, "results_file")  # before measuring
     engine = build(cfg, calibrate_now=False)
     constants, report = calibrate(engine, prompts, max_new_tokens=cfg.max_new_tokens)
     engine.cost_model.set_constants(constants)
@@ -28,5 +30,5 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
     print(f"held-out cycle-time error: median {100 * report['cycle_time_ape_median']:.1f}%, "
           f"p90 {100 * report['cycle_time_ape_p90']:.1f}% ({report['cycles_held_out']} cycles)")
     print(f"stored: {report['path']}")
-    append_jsonl(output_dir / cfg.results_file, [{"command": "calibrate", **c.to_json(), **report}])
+    append_jsonl(results, [{"command": "calibrate", **c.to_json(), **report}])
     return report

@@ -29,7 +29,13 @@ top-k K):
 The verified nodes are the recording's candidate union (see :mod:`specfit.trace.record`); the other
 drafted nodes are kept so that selectors and predictors see the very tree they saw live.
 Expert ids are stored as uint8 when the model has at most 256 experts (int16 / int32 otherwise).
-The meta is written last, so an interrupted recording leaves no loadable trace.
+
+Every file is written atomically (temporary file + rename, :mod:`specfit.files`), each sequence as
+soon as it is recorded, and ``meta.json`` last. While a recording runs the folder holds
+``partial.json`` (the recording's config and model numbers) instead: a folder without ``meta.json``
+is an incomplete trace, which :func:`load_trace` refuses and ``specfit record ... resume=true``
+continues from its last complete sequence (:class:`TraceWriter`). Sequence file names in
+``meta.json`` must be plain names inside the folder; anything else is refused.
 """
 
 from __future__ import annotations
@@ -44,10 +50,12 @@ from typing import Any
 import numpy as np
 
 from specfit.errors import ConfigError
+from specfit.files import check_writable, remove_stale_temporaries, write_atomic
 
 FORMAT = "specfit-trace"
 VERSION = 1
 META_FILE = "meta.json"
+PARTIAL_FILE = "partial.json"  # present while a recording runs (or was interrupted); meta.json replaces it
 
 # SelectionContext.extra key under which a replay hands selectors the nodes the target will accept
 # (tree node indices, root first excluded): only the oracle selector reads it.
@@ -256,36 +264,121 @@ class Trace:
 
     def save(self, path: str | Path, overwrite: bool = False) -> Path:
         """Write the trace directory; refuses to mix with an existing trace unless ``overwrite``."""
-        from specfit import __version__
+        writer = TraceWriter(path)
+        writer.start(self.meta.config, self.meta.spec, overwrite=overwrite)
+        for i, seq in enumerate(self.sequences):
+            writer.add(i, seq)
+        return writer.finish(self)
 
-        path = check_destination(path, overwrite)
+
+def _sequence_file(i: int) -> str:
+    return f"seq-{i:05d}.npz"
+
+
+class TraceWriter:
+    """Writes a trace directory while it is recorded: each sequence as soon as it is complete, meta last.
+
+    ``start`` clears the folder (``meta.json`` first, so a half-replaced trace never loads) and
+    writes ``partial.json``; ``add`` writes one sequence file; ``finish`` writes ``meta.json`` and
+    removes ``partial.json``. ``resume`` reads back the sequences an interrupted recording of the
+    same config completed.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).expanduser()
+
+    def start(self, config: dict[str, Any] | None, spec: dict[str, Any], overwrite: bool = False) -> None:
+        path = check_destination(self.path, overwrite=overwrite, resume=False)
         path.mkdir(parents=True, exist_ok=True)
-        (path / META_FILE).unlink(missing_ok=True)  # first: a half-replaced trace must not load
+        (path / META_FILE).unlink(missing_ok=True)
         for old in path.glob("seq-*.npz"):
             old.unlink()
-        entries = []
-        for i, seq in enumerate(self.sequences):
-            name = f"seq-{i:05d}.npz"
-            np.savez(path / name, **seq.arrays())
-            entries.append({"file": name, "positions": len(seq), "prompt_tokens": int(len(seq.prompt)),
-                            "output_tokens": int(len(seq.output)), "nodes": int(len(seq.node_token))})
-        self.meta.sequences = entries
-        self.meta.created = self.meta.created or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-        self.meta.specfit_version = self.meta.specfit_version or __version__
-        (path / META_FILE).write_text(json.dumps(asdict(self.meta), indent=1, default=_jsonable) + "\n")
-        return path
+        remove_stale_temporaries(path)
+        partial = {"format": FORMAT, "version": VERSION, "spec": spec, "config": config}
+        write_atomic(path / PARTIAL_FILE, json.dumps(partial, indent=1, default=_jsonable) + "\n")
+
+    def resume(self, config: dict[str, Any] | None, spec: dict[str, Any],
+               ignore: tuple[str, ...] = ()) -> list[TraceSequence]:
+        """The complete sequences of an interrupted recording of this config (none if there is none)."""
+        path = self.path
+        partial_path = path / PARTIAL_FILE
+        if not partial_path.is_file():
+            if path.is_dir() and any(path.glob("seq-*.npz")):
+                raise TraceError(f"trace.path={path} holds sequence files but no {PARTIAL_FILE}, so their "
+                                 f"recording cannot be told: set trace.overwrite=true to record afresh")
+            self.start(config, spec)
+            return []
+        try:
+            partial = json.loads(partial_path.read_text(encoding="utf-8"))
+            saved_spec, saved_config = partial["spec"], partial["config"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TraceError(f"{partial_path}: corrupt ({type(exc).__name__}); set trace.overwrite=true "
+                             f"to record afresh") from exc
+        differs = _first_difference(_plain(saved_config), _plain(config), ignore)
+        if partial.get("version") != VERSION or _plain(saved_spec) != _plain(spec) or differs:
+            raise TraceError(f"trace.path={path}: the interrupted recording there used another config "
+                             f"({differs or 'model'} differs): resume with the same settings, or set "
+                             f"trace.overwrite=true to record afresh")
+        remove_stale_temporaries(path)
+        layers, top_k = int(spec["num_layers"]), int(spec["top_k"])
+        done: list[TraceSequence] = []
+        while (path / _sequence_file(len(done))).is_file():
+            done.append(_read_sequence(path / _sequence_file(len(done)), layers, top_k))
+        return done
+
+    def add(self, i: int, seq: TraceSequence) -> None:
+        write_atomic(self.path / _sequence_file(i), lambda f: np.savez(f, **seq.arrays()))
+
+    def finish(self, trace: Trace) -> Path:
+        from specfit import __version__
+
+        meta = trace.meta
+        meta.sequences = [{"file": _sequence_file(i), "positions": len(seq), "prompt_tokens": int(len(seq.prompt)),
+                           "output_tokens": int(len(seq.output)), "nodes": int(len(seq.node_token))}
+                          for i, seq in enumerate(trace.sequences)]
+        meta.created = meta.created or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        meta.specfit_version = meta.specfit_version or __version__
+        write_atomic(self.path / META_FILE, json.dumps(asdict(meta), indent=1, default=_jsonable) + "\n")
+        (self.path / PARTIAL_FILE).unlink(missing_ok=True)
+        return self.path
 
 
-def check_destination(path: str | Path, overwrite: bool = False) -> Path:
-    """The directory a trace may be written to (checked before recording, so a mistake costs nothing)."""
-    path = Path(path).expanduser()
-    if path.exists() and not path.is_dir():
-        raise TraceError(f"trace.path={path} exists and is not a directory")
+def _plain(value: Any) -> Any:
+    """``value`` as JSON would give it back (so a config compares equal to its stored copy)."""
+    return json.loads(json.dumps(value, default=_jsonable))
+
+
+def _first_difference(a: Any, b: Any, ignore: tuple[str, ...] = (), prefix: str = "") -> str | None:
+    """The first dotted key at which two configs differ (keys in ``ignore`` skipped), or None."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            name = f"{prefix}{key}"
+            if name in ignore:
+                continue
+            found = _first_difference(a.get(key), b.get(key), ignore, name + ".")
+            if found:
+                return found
+        return None
+    return None if a == b else prefix.rstrip(".") or "config"
+
+
+def check_destination(path: str | Path, overwrite: bool = False, resume: bool = False) -> Path:
+    """The directory a trace may be written to (checked before recording, so a mistake costs nothing).
+
+    An incomplete trace (no ``meta.json``) may be continued with ``resume``; a complete one is only
+    replaced with ``overwrite``.
+    """
+    path = check_writable(path, "trace.path", directory=True)
     if path.is_dir() and any(path.iterdir()):
-        if not (path / META_FILE).is_file() and not any(path.glob("seq-*.npz")):
+        complete = (path / META_FILE).is_file()
+        partial = not complete and ((path / PARTIAL_FILE).is_file() or any(path.glob("seq-*.npz")))
+        if not complete and not partial:
             raise TraceError(f"trace.path={path} is a non-empty directory that holds no trace: choose another path")
-        if not overwrite:
+        if complete and not overwrite and not resume:
             raise TraceError(f"trace.path={path} already holds a trace (set trace.overwrite=true to replace it)")
+        if partial and not overwrite and not resume:
+            raise TraceError(f"trace.path={path} holds an incomplete recording: continue it with resume=true, "
+                             f"or set trace.overwrite=true to replace it")
     return path
 
 
@@ -302,7 +395,10 @@ def load_trace(path: str | Path) -> Trace:
         raise TraceError(f"trace.path={path}: no such directory (record one with `specfit record`)")
     meta_path = path / META_FILE
     if not meta_path.is_file():
-        raise TraceError(f"{path}: no {META_FILE}, so not a specfit trace (or its recording did not finish)")
+        if (path / PARTIAL_FILE).is_file() or any(path.glob("seq-*.npz")):
+            raise TraceError(f"{path}: incomplete trace: its recording did not finish (no {META_FILE}); continue it "
+                             f"with `specfit record ... resume=true trace.path={path}`")
+        raise TraceError(f"{path}: no {META_FILE}, so not a specfit trace")
     try:
         data = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -316,25 +412,33 @@ def load_trace(path: str | Path) -> Trace:
     try:
         meta = TraceMeta(**{k: v for k, v in data.items() if k in TraceMeta.__dataclass_fields__})
         layers, top_k = int(meta.spec["num_layers"]), int(meta.spec["top_k"])
-        files = [str(entry["file"]) for entry in meta.sequences]
+        files = [entry["file"] for entry in meta.sequences]
     except (TypeError, KeyError, ValueError) as exc:
         raise TraceError(f"{meta_path}: corrupt ({type(exc).__name__}: {exc})") from exc
+    root = path.resolve()
     sequences = []
     for name in files:
+        if not isinstance(name, str) or "\0" in name or name in ("", ".", "..") or Path(name).name != name \
+                or not (path / name).resolve().is_relative_to(root):
+            raise TraceError(f"{meta_path}: sequence file {name!r} lies outside the trace folder; refused")
         file = path / name
         if not file.is_file():
             raise TraceError(f"{path}: {name} is missing (the trace is incomplete)")
-        try:
-            with np.load(file, allow_pickle=False) as npz:
-                missing = [k for k in _ARRAYS if k not in npz.files]
-                if missing:
-                    raise TraceError(f"{file}: corrupt trace sequence (no {', '.join(missing)})")
-                arrays = {k: npz[k] for k in _ARRAYS}
-        except TraceError:
-            raise
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-            raise TraceError(f"{file}: corrupt ({type(exc).__name__}: {exc})") from exc
-        seq = TraceSequence(**arrays)
-        seq.check(str(file), layers, top_k)
-        sequences.append(seq)
+        sequences.append(_read_sequence(file, layers, top_k))
     return Trace(meta, sequences)
+
+
+def _read_sequence(file: Path, layers: int, top_k: int) -> TraceSequence:
+    try:
+        with np.load(file, allow_pickle=False) as npz:
+            missing = [k for k in _ARRAYS if k not in npz.files]
+            if missing:
+                raise TraceError(f"{file}: corrupt trace sequence (no {', '.join(missing)})")
+            arrays = {k: npz[k] for k in _ARRAYS}
+    except TraceError:
+        raise
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise TraceError(f"{file}: corrupt ({type(exc).__name__}: {exc})") from exc
+    seq = TraceSequence(**arrays)
+    seq.check(str(file), layers, top_k)
+    return seq

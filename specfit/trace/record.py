@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -137,13 +137,18 @@ class TraceRecorder:
 
 
 def record(engine: Any, prompts: Sequence[str | Sequence[int]], max_new_tokens: int | None = None,
-           config: dict[str, Any] | None = None) -> Trace:
+           config: dict[str, Any] | None = None, done: Sequence[TraceSequence] = (),
+           on_sequence: Callable[[int, TraceSequence], None] | None = None) -> Trace:
     """Decode ``prompts`` greedily with ``engine``'s drafter and return the trace of every position.
 
     The engine's selector, predictor, observers and accept limit are swapped for the recording and
     restored afterwards. The predictor is switched off so the level timings measure drafting alone
     (a replay adds the time of the predictor it runs). Greedy decoding only: under sampling the
     committed sequence depends on the cycle boundaries, so no trace could be exact.
+
+    ``done`` holds the sequences of the first prompts, recorded before (a resumed recording: a
+    sequence depends only on its prompt, so they are kept, not decoded again); ``on_sequence(i,
+    seq)`` is called as soon as prompt ``i`` is recorded (the trace writer saves it then).
     """
     if not engine.sampling.greedy:
         raise ConfigError("specfit record needs greedy decoding (sampling.temperature=0): under sampling "
@@ -155,12 +160,16 @@ def record(engine: Any, prompts: Sequence[str | Sequence[int]], max_new_tokens: 
     saved = (engine.selector, engine.predictor, list(engine.observers), engine.accept_limit)
     engine.selector, engine.predictor, engine.accept_limit = selector, None, 0
     engine.observers = [*engine.observers, recorder]
-    sequences = []
+    if len(done) > len(prompts):
+        raise ConfigError(f"a resumed recording holds {len(done)} sequences but there are only {len(prompts)} prompts")
+    sequences = list(done)
     try:
-        for prompt in prompts:
-            out = engine.generate(prompt, max_new_tokens=max_new_tokens)
+        for i in range(len(done), len(prompts)):
+            out = engine.generate(prompts[i], max_new_tokens=max_new_tokens)
             sequences.append(recorder.current.finish(out.token_ids, spec.num_layers, spec.top_k))
             recorder.current = None
+            if on_sequence is not None:
+                on_sequence(i, sequences[-1])
     finally:
         engine.selector, engine.predictor, engine.observers, engine.accept_limit = saved
     constants, calibration = _calibration(engine)
