@@ -369,7 +369,20 @@ def one_line_config_error(exc: BaseException) -> str:
             if line and line not in seen:
                 seen.append(line)
         err = err.__cause__
-    return " ".join(seen) or type(exc).__name__
+    message = " ".join(seen) or type(exc).__name__
+    if _is_parse_error(exc) and "LexerNoViableAltException" in message:  # characters Hydra's grammar refuses
+        message = message.replace("LexerNoViableAltException: ", "cannot parse ").split(" See https://")[0]
+        message = message.removesuffix(" ^") + (" (quote a value that has spaces, non-ASCII or special characters inside the shell's quotes:"
+                    " 'prompt=\"...\"'; a prompt can also come from prompt_file=PATH)")
+    return message
+
+
+def _is_parse_error(exc: BaseException | None) -> bool:
+    while exc is not None:
+        if type(exc).__name__ == "OverrideParseException":
+            return True
+        exc = exc.__cause__
+    return False
 
 
 # lines of Hydra/OmegaConf messages that name no problem (the search path lists every provider)

@@ -1,0 +1,170 @@
+"""Bad API calls: specfit.compose, specfit.build, Engine(...) and Engine.generate raise ConfigError,
+ModelError or PluginError with one line naming the argument or key, never a raw TypeError or
+IndexError from deep inside. ConfigError is a ValueError too: callers may catch either."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import pytest
+import torch
+from conftest import tiny_model
+from omegaconf import OmegaConf
+
+import specfit
+from specfit.core.engine import Engine
+from specfit.core.sampling import SamplingParams
+from specfit.errors import ConfigError, ModelError, PluginError
+
+LIMIT_S = 30
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(tiny_model(), max_new_tokens=2)
+
+
+def _composed(*overrides: str, **changes: Any):
+    """A composed config, then changed the way a user might change it before build()."""
+    cfg = specfit.compose(["model=tiny", *overrides])
+    for key, value in changes.items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    return cfg
+
+
+def _engine(**kwargs: Any) -> Engine:
+    return Engine(tiny_model(), **kwargs)
+
+
+def _plugin(kind: str, cfg: Any) -> Any:
+    from specfit.registry import get_plugins
+
+    return get_plugins()[kind].create(cfg)
+
+
+class _NotADrafter:
+    name = "not_a_drafter"
+
+
+# (id, call, exception type, substring of the message). Calls that need the shared engine take it.
+CASES: list[tuple[str, Callable[..., Any], type[Exception], str]] = [
+    # specfit.compose
+    ("compose-a-string", lambda: specfit.compose("model=tiny"), ConfigError, "overrides"),
+    ("compose-not-strings", lambda: specfit.compose(["model=tiny", 5]), ConfigError, "overrides"),
+    ("compose-plus-key", lambda: specfit.compose(["model=tiny", "+foo=1"]), ConfigError, "'foo'"),
+    ("compose-plus-nested", lambda: specfit.compose(["model=tiny", "+drafter.foo=1"]), ConfigError, "drafter.foo"),
+    ("compose-removed", lambda: specfit.compose(["model=tiny", "~sampling"]), ConfigError, "sampling"),
+    ("compose-top-p", lambda: specfit.compose(["sampling.top_p=0"]), ConfigError, "sampling.top_p"),
+    ("compose-capacity", lambda: specfit.compose(["cache.capacity=0"]), ConfigError, "cache.capacity"),
+    ("compose-depth", lambda: specfit.compose(["drafter=eagle3", "drafter.depth=0"]), ConfigError, "drafter.depth"),
+    ("compose-float-id", lambda: specfit.compose(["prompt_ids=[1.5]"]), ConfigError, "prompt_ids"),
+    ("compose-config-name", lambda: specfit.compose([], config_name="nope"), ConfigError, "nope"),
+    # specfit.build
+    ("build-a-dict", lambda: specfit.build({"model": {"builtin": "tiny-qwen3-moe"}}), ConfigError, "build()"),
+    ("build-changed-length", lambda: specfit.build(_composed(max_new_tokens=0)), ConfigError, "max_new_tokens"),
+    ("build-changed-ids", lambda: specfit.build(_composed(stop_token_ids=[-1])), ConfigError, "stop_token_ids"),
+    ("build-added-key", lambda: specfit.build(_composed(**{"drafter.foo": 1})), ConfigError, "drafter.foo"),
+    ("build-two-prompts", lambda: specfit.build(_composed(prompt="a", prompt_ids=[1])), ConfigError, "prompt_ids"),
+    ("build-needs-cost-model", lambda: specfit.build(_composed("selector=specfit")), ConfigError, "cost_model"),
+    ("build-dtype", lambda: specfit.build(_composed("model.dtype=int8")), ModelError, "model.dtype"),
+    ("build-no-model-dir", lambda: specfit.build(_composed("model.path=/nope/m", "model.builtin=null")), ModelError,
+     "model.path"),
+    ("build-name-mismatch", lambda: specfit.build(_composed("cache.name=none")), PluginError, "cache.name"),
+    ("build-top-k-vocab", lambda: specfit.build(_composed("drafter=eagle3", "drafter.top_k=100000")), ConfigError,
+     "drafter.top_k"),
+    ("build-below-top-k", lambda: specfit.build(_composed("cache.capacity=1")), ConfigError, "cache.capacity"),
+    # Engine(...)
+    ("engine-not-a-model", lambda: Engine("model"), ModelError, "Engine needs"),
+    ("engine-length-zero", lambda: _engine(max_new_tokens=0), ConfigError, "max_new_tokens"),
+    ("engine-length-float", lambda: _engine(max_new_tokens=2.5), ConfigError, "max_new_tokens"),
+    ("engine-stop-float", lambda: _engine(stop_token_ids=[1.5]), ConfigError, "stop_token_ids"),
+    ("engine-stop-vocab", lambda: _engine(stop_token_ids=[10**9]), ConfigError, "stop_token_ids"),
+    ("engine-stop-string", lambda: _engine(stop_token_ids="abc"), ConfigError, "stop_token_ids"),
+    ("engine-sampling-dict", lambda: _engine(sampling={"temperature": 1.0}), ConfigError, "sampling"),
+    ("engine-copy", lambda: _engine(copy="foo"), ConfigError, "cache.copy"),
+    ("engine-device-name", lambda: _engine(device="tpu"), ConfigError, "device"),
+    ("engine-device-int", lambda: _engine(device=3), ConfigError, "device"),
+    ("engine-context", lambda: _engine(max_model_len=1), ConfigError, "model.max_model_len"),
+    ("engine-drafter", lambda: _engine(drafter=_NotADrafter()), PluginError, "drafter"),
+    # Engine.generate(prompt, max_new_tokens, sampling)
+    ("generate-float-ids", lambda e: e.generate([1.5, 2]), ConfigError, "prompt"),
+    ("generate-bool-ids", lambda e: e.generate([True, 2]), ConfigError, "prompt"),
+    ("generate-nested", lambda e: e.generate([[1, 2]]), ConfigError, "prompt"),
+    ("generate-bytes", lambda e: e.generate(b"abc"), ConfigError, "prompt"),
+    ("generate-string-ids", lambda e: e.generate(["1", "2"]), ConfigError, "prompt"),
+    ("generate-empty", lambda e: e.generate([]), ConfigError, "prompt"),
+    ("generate-vocab", lambda e: e.generate([10**9]), ConfigError, "prompt"),
+    ("generate-negative", lambda e: e.generate([-1]), ConfigError, "prompt"),
+    ("generate-int", lambda e: e.generate(5), ConfigError, "prompt"),
+    ("generate-none", lambda e: e.generate(None), ConfigError, "prompt"),
+    ("generate-2d-tensor", lambda e: e.generate(torch.tensor([[1, 2]])), ConfigError, "prompt"),
+    ("generate-float-tensor", lambda e: e.generate(torch.tensor([1.0, 2.0])), ConfigError, "prompt"),
+    ("generate-text", lambda e: e.generate("hello"), ConfigError, "tokenizer"),
+    ("generate-length-zero", lambda e: e.generate([1], max_new_tokens=0), ConfigError, "max_new_tokens"),
+    ("generate-length-float", lambda e: e.generate([1], max_new_tokens=1.5), ConfigError, "max_new_tokens"),
+    ("generate-length-string", lambda e: e.generate([1], max_new_tokens="3"), ConfigError, "max_new_tokens"),
+    ("generate-sampling-dict", lambda e: e.generate([1], sampling={"temperature": 0}), ConfigError, "sampling"),
+    # SamplingParams and plugin configs built by hand
+    ("sampling-nan", lambda: SamplingParams(temperature=float("nan")), ConfigError, "sampling.temperature"),
+    ("sampling-negative", lambda: SamplingParams(temperature=-1.0), ConfigError, "sampling.temperature"),
+    ("sampling-top-p", lambda: SamplingParams(top_p=0.0), ConfigError, "sampling.top_p"),
+    ("sampling-top-k", lambda: SamplingParams(top_k=1.5), ConfigError, "sampling.top_k"),
+    ("sampling-seed", lambda: SamplingParams(seed=1.5), ConfigError, "sampling.seed"),
+    ("sampling-seed-bool", lambda: SamplingParams(seed=True), ConfigError, "sampling.seed"),
+    ("drafter-config", lambda: _plugin("drafter", OmegaConf.structured(_eagle3_config(top_k=0))), ConfigError,
+     "drafter.top_k"),
+    ("cache-config", lambda: _plugin("cache", _cache_config(capacity=0)), ConfigError, "cache.capacity"),
+    ("predictor-config", lambda: _plugin("predictor", _history_config(max_keys=0)), ConfigError, "predictor.max_keys"),
+    ("unknown-plugin", lambda: _plugin("cache", OmegaConf.create({"name": "nope"})), PluginError, "cache"),
+]
+
+
+def _eagle3_config(**values: Any) -> Any:
+    """A structured config with a bad value set afterwards (as an override would): checked in create()."""
+    from specfit.plugins.drafters.eagle3.drafter import Eagle3DrafterConfig
+
+    cfg = OmegaConf.structured(Eagle3DrafterConfig)
+    for key, value in values.items():
+        cfg[key] = value
+    return cfg
+
+
+def _cache_config(**values: Any) -> Any:
+    from specfit.plugins.caches.lru import LRUCacheConfig
+
+    return LRUCacheConfig(**values)
+
+
+def _history_config(**values: Any) -> Any:
+    from specfit.plugins.predictors.history import HistoryPredictorConfig
+
+    return HistoryPredictorConfig(**values)
+
+
+def test_the_table_is_large():
+    assert len(CASES) >= 40
+    assert len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize(("name", "call", "error", "needle"), CASES, ids=[c[0] for c in CASES])
+def test_bad_call_raises_a_clear_error(name, call, error, needle, request):
+    args = [request.getfixturevalue("engine")] if call.__code__.co_argcount else []
+    start = time.perf_counter()
+    with pytest.raises(error) as info:
+        call(*args)
+    assert time.perf_counter() - start < LIMIT_S
+    assert type(info.value) is error, f"{type(info.value).__name__}: {info.value}"
+    message = str(info.value)
+    assert needle in message and "\n" not in message, message
+    if error is ConfigError:
+        assert isinstance(info.value, ValueError)
+
+
+def test_the_engine_still_works_after_bad_calls(engine):
+    """A refused call changes nothing: the next good call decodes as usual."""
+    for bad in ([1.5], [10**9], None):
+        with pytest.raises(ConfigError):
+            engine.generate(bad)
+    out = engine.generate([5, 17, 99], max_new_tokens=3)
+    assert len(out.token_ids) == 3

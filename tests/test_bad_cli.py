@@ -1,0 +1,335 @@
+"""Bad command lines: each ends with one ``specfit: error:`` line that names the key or file, exit 2.
+
+Every line runs in-process through :func:`specfit.cli.main` (a subprocess costs seconds of imports);
+two cases run the console script to show it behaves the same. Lines marked EARLY must fail before
+any model is loaded: the config checks catch them up front.
+"""
+
+from __future__ import annotations
+
+import io
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import specfit.api
+from specfit.cli import main
+
+LIMIT_S = 30  # a bad line must fail fast; one that runs on is a bug (the alarm ends it at 3x this)
+EARLY, LATE = "early", "late"  # before / after a model is loaded
+
+S = "generate model=tiny prompt_ids=[1,2] max_new_tokens=2"  # a good line the cases spoil
+SPEC = f"{S} drafter=eagle3 selector=specfit cost_model=union predictor=history"
+EAGLE = f"{S} drafter=eagle3"
+
+# (command line, a substring the error line must hold: the key or file, when the model is built)
+CASES: list[tuple[str, str, str]] = [
+    # token ids: ints in the vocabulary, no floats, bools, strings or nesting
+    ("generate model=tiny prompt_ids=[1.5,2]", "prompt_ids", EARLY),
+    ("generate model=tiny prompt_ids=[true,2]", "prompt_ids", EARLY),
+    ("generate model=tiny prompt_ids=[[1,2],[3]]", "prompt_ids", EARLY),
+    ('generate model=tiny prompt_ids=["a",2]', "prompt_ids", EARLY),
+    ("generate model=tiny prompt_ids=[]", "prompt_ids", EARLY),
+    ("generate model=tiny prompt_ids=5", "prompt_ids", EARLY),
+    ("generate model=tiny prompt_ids=[99999999]", "outside the vocabulary", LATE),
+    ("generate model=tiny prompt_ids=[-1]", "outside the vocabulary", LATE),
+    (f"{S} stop_token_ids=[1.5]", "stop_token_ids", EARLY),
+    (f"{S} stop_token_ids=[abc]", "stop_token_ids", EARLY),
+    (f"{S} stop_token_ids=[[1]]", "stop_token_ids", EARLY),
+    (f"{S} stop_token_ids=[-3]", "stop_token_ids", LATE),
+    (f"{S} stop_token_ids=[999999]", "stop_token_ids", LATE),
+    # lengths
+    ("generate model=tiny prompt_ids=[1] max_new_tokens=0", "max_new_tokens", EARLY),
+    ("generate model=tiny prompt_ids=[1] max_new_tokens=-5", "max_new_tokens", EARLY),
+    ("generate model=tiny prompt_ids=[1] max_new_tokens=1.5", "max_new_tokens", EARLY),
+    ("generate model=tiny prompt_ids=[1] max_new_tokens=abc", "max_new_tokens", EARLY),
+    ("generate model=tiny prompt_ids=[1] max_new_tokens=", "max_new_tokens", EARLY),
+    (f"{S} model.max_model_len=1", "model.max_model_len", LATE),
+    # sampling
+    (f"{S} sampling.temperature=-1", "sampling.temperature", EARLY),
+    (f"{S} sampling.temperature=nan", "sampling.temperature", EARLY),
+    (f"{S} sampling.temperature=inf", "sampling.temperature", EARLY),
+    (f"{S} sampling.temperature=hot", "sampling.temperature", EARLY),
+    (f"{S} sampling.top_p=0", "sampling.top_p", EARLY),
+    (f"{S} sampling.top_p=1.5", "sampling.top_p", EARLY),
+    (f"{S} sampling.top_p=nan", "sampling.top_p", EARLY),
+    (f"{S} sampling.top_k=-1", "sampling.top_k", EARLY),
+    (f"{S} sampling.top_k=2.5", "sampling.top_k", EARLY),
+    (f"{S} sampling.seed=1.5", "sampling.seed", EARLY),
+    (f"{S} sampling.seed=abc", "sampling.seed", EARLY),
+    (f"{S} sampling.temprature=1", "temprature", EARLY),
+    (f"{S} sampling=foo", "sampling", EARLY),
+    # the drafter
+    (f"{EAGLE} drafter.top_k=0", "drafter.top_k", EARLY),
+    (f"{EAGLE} drafter.depth=0", "drafter.depth", EARLY),
+    (f"{EAGLE} drafter.total_tokens=0", "drafter.total_tokens", EARLY),
+    (f"{EAGLE} drafter.eagle_topk=0", "drafter.eagle_topk", EARLY),
+    (f"{EAGLE} drafter.num_draft_tokens=1", "drafter.num_draft_tokens", EARLY),
+    (f"{EAGLE} drafter.num_steps=-1", "drafter.num_steps", EARLY),
+    (f"{EAGLE} drafter.top_k=4 drafter.eagle_topk=5", "drafter.eagle_topk", EARLY),
+    (f"{EAGLE} drafter.top_k=100000", "drafter.top_k", LATE),  # more than the draft vocabulary
+    (f"{EAGLE} drafter.path=/nope/head", "drafter.path", EARLY),
+    (f"{EAGLE} drafter.seed=x", "drafter.seed", EARLY),
+    # the cache and copy engine
+    (f"{S} cache.capacity=0", "cache.capacity", EARLY),
+    (f"{S} cache.capacity=-3", "cache.capacity", EARLY),
+    (f"{S} cache.capacity=1", "cache.capacity", LATE),  # below the model's top-k
+    (f"{S} cache.capacity_bytes=0", "cache.capacity_bytes", EARLY),
+    (f"{S} cache.capacity=4 cache.capacity_bytes=1000000", "cache.capacity_bytes", EARLY),
+    (f"{S} cache.capacity=many", "cache.capacity", EARLY),
+    (f"{S} cache.copy=foo", "cache.copy", EARLY),
+    (f"{S} cache.capacit=3", "capacit", EARLY),
+    (f"{S} cache.copy=emulated cache.link.profile=nope", "cache.link.profile", EARLY),
+    (f"{S} cache.copy=emulated cache.link.bandwidth_gbps=0", "cache.link.bandwidth_gbps", EARLY),
+    (f"{S} cache.copy=emulated cache.link.latency_us=-5", "cache.link.latency_us", EARLY),
+    (f"{S} cache.copy=emulated cache.link.ref_expert_bytes=-1", "cache.link.ref_expert_bytes", EARLY),
+    (f"{S} cache.copy=emulated cache.link.profile=null", "cache.link.bandwidth_gbps", EARLY),
+    # the model
+    (f"{S} model.dtype=int8", "model.dtype", LATE),
+    (f"{S} model.device=tpu", "model.device", LATE),
+    (f"{S} model.attn_implementation=flash", "model.attn_implementation", LATE),
+    (f"{S} model.builtin=nope", "model.builtin", LATE),
+    (f"{S} model.seed=abc", "model.seed", EARLY),
+    (f"{S} model.path=/nope/model model.builtin=null", "model.path", LATE),
+    ("generate prompt_ids=[1]", "model.path", LATE),
+    # config groups, and keys that do not exist (also added with + / ++), or are removed with ~
+    (f"{S} selector=nope", "selector/nope", EARLY),
+    (f"{S} drafter=nope", "drafter/nope", EARLY),
+    (f"{S} cache=nope", "cache/nope", EARLY),
+    (f"{S} workload=nope", "workload/nope", EARLY),
+    ("generate model=nope prompt_ids=[1]", "model/nope", EARLY),
+    (f"{S} +foo=1", "'foo'", EARLY),
+    (f"{S} ++foo=1", "'foo'", EARLY),
+    (f"{S} +drafter.foo=1", "drafter.foo", EARLY),
+    (f"{S} +model.foo=1", "model.foo", EARLY),
+    (f"{S} +sampling.foo=1", "sampling.foo", EARLY),
+    (f"{S} +cache.link.foo=1", "cache.link.foo", EARLY),
+    (f"{S} +workload.foo=1", "workload.foo", EARLY),
+    (f"{S} foo=1", "'foo'", EARLY),
+    (f"{S} drafter.foo=1", "drafter.foo", EARLY),
+    (f"{S} ~model", "model", EARLY),
+    (f"{S} ~sampling", "sampling", EARLY),
+    (f"{S} ~cache", "cache", EARLY),
+    (f"{S} key_without_value", "key_without_value", EARLY),
+    ("generate model=tiny prompt_ids=[1", "[1", EARLY),
+    ("generate model=demo prompt=Tom – and 5 more", "prompt_file", EARLY),  # Hydra needs non-ASCII quoted
+    (f"{S} verbose=maybe", "verbose", EARLY),
+    # selector, cost model and predictor options
+    (f"{S} selector=specfit", "cost_model", LATE),
+    (f"{SPEC} selector.acceptance=foo", "selector.acceptance", EARLY),
+    (f"{SPEC} selector.draft_time=foo", "selector.draft_time", EARLY),
+    (f"{SPEC} selector.gate_max_backoff=0", "selector.gate_max_backoff", EARLY),
+    (f"{SPEC} predictor.max_keys=0", "predictor.max_keys", EARLY),
+    (f"{SPEC} predictor.prior=-1", "predictor.prior", EARLY),
+    (f"{SPEC} predictor.pair_weight=nan", "predictor.pair_weight", EARLY),
+    (f"{SPEC} cost_model.c_tok=-1", "cost_model.c_tok", EARLY),
+    (f"{SPEC} cost_model.c_miss=inf", "cost_model.c_miss", EARLY),
+    (f"{SPEC} cost_model.calibration=", "cost_model.calibration", EARLY),
+    (f"{SPEC} cost_model.calibration=/nope/calibration.json", "cost_model.calibration", LATE),
+    (f"{S} predictor=oracle", "predictor=oracle", LATE),
+    # prompts
+    ("generate model=tiny prompt=hi prompt_ids=[1]", "prompt_ids", EARLY),
+    ("generate model=tiny prompt=hi", "prompt_ids", LATE),  # no tokenizer: the ids are the way
+    ("generate model=tiny prompt_file=/nope/prompt.txt", "prompt_file=/nope/prompt.txt", EARLY),
+    ("generate model=tiny prompt_file={tmp}", "prompt_file", EARLY),  # a directory
+    ("generate model=tiny prompt_file={tmp}/utf8.txt prompt=hi", "prompt_file", EARLY),
+    ("generate model=tiny prompt_file={tmp}/latin1.txt", "latin1.txt", LATE),
+    ("generate model=tiny prompt_file={tmp}/empty.txt", "empty.txt", LATE),
+    # workloads
+    ("generate model=tiny workload=jsonl", "workload.path", EARLY),
+    ("generate model=tiny workload=jsonl workload.path=/nope/w.jsonl", "workload.path", EARLY),
+    (f"{S} workload.kind=nope", "workload.kind", EARLY),
+    (f"{S} workload.num_prompts=0", "workload.num_prompts", EARLY),
+    (f"{S} workload.max_prompts=0", "workload.max_prompts", EARLY),
+    # bench, demo, record, replay, calibrate, trainers
+    ("bench model=tiny prompt_ids=[1] methods=[nope]", "nope", EARLY),
+    ("bench model=tiny prompt_ids=[1] methods=[ar] repeats=0", "repeats", EARLY),
+    ("bench model=tiny prompt_ids=[1] methods=[ar] repeats=1.5", "repeats", EARLY),
+    ("bench model=tiny prompt_ids=[1] methods=[ar] baseline=nope", "baseline", EARLY),
+    ("bench model=tiny prompt_ids=[1] drafter.topk=3", "topk", EARLY),
+    ("demo methods=[ar,nope]", "nope", EARLY),
+    ("demo repeats=0", "repeats", EARLY),
+    ("demo +foo=1", "'foo'", EARLY),
+    ("record model=tiny prompt_ids=[1] max_new_tokens=2 sampling.temperature=1", "sampling.temperature", EARLY),
+    ("replay", "trace.path", EARLY),
+    ("replay trace.path=/nope/trace", "trace.path", EARLY),
+    ("replay trace.path=/nope/trace replay.draft_time=foo", "replay.draft_time", EARLY),
+    ("replay trace.path=/nope/trace replay.warmup=-1", "replay.warmup", EARLY),
+    ("calibrate model=tiny cost_model=nope", "cost_model/nope", EARLY),
+    ("calibrate model=tiny max_new_tokens=0", "max_new_tokens", EARLY),
+    ("train-target nope=1", "nope", EARLY),
+    ("train-drafter +nope=1", "nope", EARLY),
+    # a sweep: each job's config is checked too
+    ("generate -m model=tiny prompt_ids=[1] max_new_tokens=2 cache.capacity=0,4", "cache.capacity", EARLY),
+    # flags, commands and the argparse commands
+    (f"{S} --nope", "--nope", EARLY),
+    (f"{S} --cfg nope", "--cfg", EARLY),
+    ("nope", "unknown command 'nope'", EARLY),
+    ("generat model=tiny", "unknown command 'generat'", EARLY),
+    ("report", "results", EARLY),
+    ("report /nope/results.jsonl", "/nope/results.jsonl", EARLY),
+    ("report --out", "--out", EARLY),
+    ("plugins --nope", "--nope", EARLY),
+]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("prompts")
+    (folder / "utf8.txt").write_text("Bonjour – café ☕\n", encoding="utf-8")
+    (folder / "latin1.txt").write_bytes("café".encode("latin-1"))
+    (folder / "empty.txt").write_bytes(b"\n")
+    return folder
+
+
+class _Hang(Exception):
+    pass
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str, float]:
+    """``main(argv)`` in-process: (exit status, stdout, stderr, seconds); an alarm ends a hang."""
+
+    def hang(*_):
+        raise _Hang(f"still running after {3 * LIMIT_S} s")
+
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(3 * LIMIT_S)
+    start = time.perf_counter()
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    seconds = time.perf_counter() - start
+    out, err = capsys.readouterr()
+    return code, out, err, seconds
+
+
+def _argv(line: str, run_dir: Path, folder: Path) -> list[str]:
+    argv = shlex.split(line.replace("{tmp}", str(folder)))
+    if argv[0] in ("generate", "bench", "demo", "record", "replay", "calibrate"):
+        key = "hydra.sweep.dir" if "-m" in argv else "hydra.run.dir"
+        argv.append(f"{key}={run_dir}")
+    return argv
+
+
+def test_the_table_is_large_and_mostly_early():
+    assert len(CASES) >= 100
+    assert len({c[0] for c in CASES}) == len(CASES), "duplicate lines"
+    assert sum(c[2] == EARLY for c in CASES) >= 0.75 * len(CASES)
+
+
+@pytest.mark.parametrize(("line", "needle", "stage"), CASES, ids=[c[0][:90] for c in CASES])
+def test_bad_line_is_one_clear_error(line, needle, stage, files, tmp_path, capsys, monkeypatch):
+    loads = []
+    real = specfit.api.load_target
+    monkeypatch.setattr(specfit.api, "load_target", lambda cfg: loads.append(cfg) or real(cfg))
+    code, out, err, seconds = run_cli(_argv(line, tmp_path, files), capsys)
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2, (code, err[-2000:])
+    assert len(lines) == 1, err[-2000:]
+    assert lines[0].startswith("specfit: error: "), lines[0]
+    assert needle in lines[0], lines[0]
+    assert "Traceback" not in err and "Traceback" not in out
+    assert seconds < LIMIT_S
+    assert (len(loads) > 0) == (stage == LATE), f"expected to fail {stage}: {len(loads)} model(s) loaded"
+
+
+def test_prompt_file_from_bad_standard_input(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe not utf-8")))
+    code, _, err, _ = run_cli(["generate", "model=tiny", "prompt_file=-", f"hydra.run.dir={tmp_path}"], capsys)
+    assert code == 2 and err.strip() == (
+        "specfit: error: prompt_file=- (standard input) is not UTF-8 text (byte 0: b'\\xff'); "
+        "convert it, e.g. with iconv -t utf-8")
+
+
+def test_prompt_file_reads_utf8_text(files, monkeypatch):
+    """No quoting: the file's text is the prompt (one final line break dropped), from a file or stdin."""
+    from specfit.commands.generate import read_prompt_file
+
+    assert read_prompt_file(str(files / "utf8.txt")) == "Bonjour – café ☕"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("«naïve»\r\n".encode())))
+    assert read_prompt_file("-") == "«naïve»"
+
+
+def test_prompt_file_is_decoded_like_the_prompt_key(tmp_path, capsys):
+    """prompt_file=PATH gives the same output as prompt="..." with the same text (the demo pair's tokenizer)."""
+    text = "Question: Tom has 3 apples – and 5 more. Answer:"
+    (tmp_path / "p.txt").write_text(text + "\n", encoding="utf-8")
+    common = ["generate", "model=demo", "max_new_tokens=4", f"hydra.run.dir={tmp_path}"]
+    code_a, out_a, _, _ = run_cli([*common, f"prompt='{text}'"], capsys)  # quoted for Hydra (the en dash)
+    code_b, out_b, _, _ = run_cli([*common, f"prompt_file={tmp_path / 'p.txt'}"], capsys)
+    assert code_a == code_b == 0
+    assert out_a.splitlines()[0] == out_b.splitlines()[0]
+
+
+@pytest.mark.parametrize("verbose", ["arg", "env"])
+def test_verbose_shows_the_traceback(verbose, monkeypatch, capsys, tmp_path):
+    argv = ["generate", "model=tiny", "prompt_ids=[1]", "sampling.top_p=2", f"hydra.run.dir={tmp_path}"]
+    if verbose == "arg":
+        argv.append("verbose=true")
+    else:
+        monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    code, _, err, _ = run_cli(argv, capsys)
+    assert code == 2 and "Traceback" in err
+    assert err.strip().splitlines()[-1] == "specfit: error: sampling.top_p=2.0 must be in (0, 1]"
+
+
+def test_verbose_is_accepted_by_the_trainers_too(capsys):
+    code, _, err, _ = run_cli(["train-target", "verbose=true", "nope=1"], capsys)
+    assert code == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("specfit: error:")
+
+
+def _broken_run(exc: BaseException):
+    def run(*args, **kwargs):
+        raise exc
+
+    return run
+
+
+def test_ctrl_c_is_one_line_exit_130(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr("specfit.commands.generate.run", _broken_run(KeyboardInterrupt()))
+    code, _, err, _ = run_cli(["generate", "model=tiny", "prompt_ids=[1]", f"hydra.run.dir={tmp_path}"], capsys)
+    assert code == 130 and err.strip() == "specfit: interrupted"
+
+
+def test_a_bug_is_one_line_exit_1(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr("specfit.commands.generate.run", _broken_run(IndexError("list index out of range")))
+    code, _, err, _ = run_cli(["generate", "model=tiny", "prompt_ids=[1]", f"hydra.run.dir={tmp_path}"], capsys)
+    assert code == 1
+    assert err.strip() == ("specfit: internal error: IndexError: list index out of range "
+                           "(run with verbose=true for the traceback)")
+
+
+def test_a_bug_in_a_sweep_job_is_not_swallowed(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr("specfit.commands.generate.run", _broken_run(RuntimeError("boom")))
+    code, _, err, _ = run_cli(["generate", "-m", "model=tiny", "prompt_ids=[1]", "max_new_tokens=1,2",
+                               f"hydra.sweep.dir={tmp_path}"], capsys)
+    assert code == 1 and err.strip().startswith("specfit: internal error: RuntimeError: boom")
+
+
+def test_an_os_error_is_a_user_error(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr("specfit.commands.generate.run", _broken_run(PermissionError(13, "Permission denied", "/x/y")))
+    code, _, err, _ = run_cli(["generate", "model=tiny", "prompt_ids=[1]", f"hydra.run.dir={tmp_path}"], capsys)
+    assert code == 2 and err.strip() == "specfit: error: /x/y: Permission denied"
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["generate", "model=tiny", "prompt_ids=[1]", "+drafter.foo=1"], "drafter.foo"),
+    (["nope"], "unknown command 'nope'"),
+])
+def test_the_console_script_behaves_the_same(argv, needle, tmp_path):
+    exe = Path(sys.executable).with_name("specfit")
+    run_dir = [f"hydra.run.dir={tmp_path}"] if argv[0] == "generate" else []
+    done = subprocess.run([exe, *argv, *run_dir], capture_output=True, text=True, timeout=120)
+    lines = [x for x in done.stderr.splitlines() if x.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("specfit: error:") and needle in lines[0]
