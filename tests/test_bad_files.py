@@ -120,6 +120,18 @@ def gpt_oss(d: Path) -> None:
     config.save_pretrained(d)
 
 
+def corrupt_bin(d: Path) -> None:
+    """Weights as a PyTorch file that is not one (a cut-off download of pytorch_model.bin)."""
+    (d / "model.safetensors").unlink()
+    (d / "pytorch_model.bin").write_bytes(b"PK\x03\x04 not really a zip archive")
+
+
+def d2t_beyond_vocab(d: Path) -> None:
+    """A reduced-vocabulary head whose draft-to-target offsets point past the target's vocabulary."""
+    other_head(draft_vocab_size=32)(d)
+    edit_weights(d, lambda s: s["d2t"].fill_(1000))
+
+
 def head_case(breaker: Callable[[Path], object]) -> Callable[[Path, dict[str, Path]], list[str]]:
     def make(tmp: Path, good: dict[str, Path]) -> list[str]:
         d = tmp / "head"
@@ -205,6 +217,7 @@ CASES: dict[str, Case] = {
                                     "model.safetensors is not a safetensors file"),
     "model_garbage_safetensors": Case(model_case(lambda d: (d / "model.safetensors").write_bytes(b"\x10" + b"\0" * 99)),
                                       ModelError, "model.safetensors is not a safetensors file"),
+    "model_corrupt_bin": Case(model_case(corrupt_bin), ModelError, "cannot load the checkpoint"),
     "model_no_weights": Case(model_case(lambda d: (d / "model.safetensors").unlink()), ModelError, "no weights there"),
     "model_index_missing_shard": Case(model_case(lambda d: shard(d, missing=True)), ModelError,
                                       "names shard model-00002-of-00002.safetensors, which is missing"),
@@ -251,6 +264,8 @@ CASES: dict[str, Case] = {
     "head_aux_layers_out_of_range": Case(
         head_case(lambda d: edit_json(d / "config.json", eagle_aux_hidden_state_layer_ids=[0, 1, 9])), ModelError,
         "drafter.path={dir}: head eagle_aux_hidden_state_layer_ids [0, 1, 9] do not fit the target's 4 layers"),
+    "head_d2t_out_of_range": Case(head_case(d2t_beyond_vocab), ModelError,
+                                  "drafter.path={dir}: head d2t maps draft tokens outside the target's vocabulary"),
     # workloads
     "workload_not_utf8": workload(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n', "workload.path={dir} line 2: not UTF-8"),
     "workload_bad_json_line": workload(b'{"prompt": "ok"}\n\n{"prompt": "no end}\n', "workload.path={dir} line 3: not JSON"),
