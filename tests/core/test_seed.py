@@ -29,6 +29,19 @@ def build(method: str, *extra: str) -> specfit.Engine:
     return specfit.build(specfit.compose(overrides))
 
 
+@pytest.fixture(scope="module")
+def shared():
+    """Engines reused across this module's tests (so they carry state from earlier generations)."""
+    built: dict[str, specfit.Engine] = {}
+
+    def get(method: str) -> specfit.Engine:
+        if method not in built:
+            built[method] = build(method)
+        return built[method]
+
+    return get
+
+
 def test_a_draw_depends_on_the_seed_and_the_position_only():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
     sampler = Sampler(SamplingParams(temperature=1.0, seed=3))
@@ -41,18 +54,17 @@ def test_a_draw_depends_on_the_seed_and_the_position_only():
 
 
 @pytest.mark.parametrize("method", ["eagle3", "specfit"])
-def test_seeded_sampling_is_reproducible_on_fresh_and_reused_engines(method):
-    engine = build(method)
-    first = engine.generate(PROMPT, 32, SAMPLING).token_ids
-    again = engine.generate(PROMPT, 32, SAMPLING).token_ids  # a reused engine: cache, predictor and gate have state
-    fresh = build(method).generate(PROMPT, 32, SAMPLING).token_ids
-    assert first == again == fresh
-    other = engine.generate(PROMPT, 32, SamplingParams(temperature=0.8, top_p=0.95, seed=12)).token_ids
-    assert other != first
+def test_seeded_sampling_is_reproducible_on_fresh_and_reused_engines(shared, method):
+    fresh = build(method).generate(PROMPT, 24, SAMPLING).token_ids
+    engine = shared(method)
+    other = engine.generate(PROMPT, 24, SamplingParams(temperature=0.8, top_p=0.95, seed=12)).token_ids
+    first = engine.generate(PROMPT, 24, SAMPLING).token_ids  # a reused engine: cache, predictor and gate have state
+    again = engine.generate(PROMPT, 24, SAMPLING).token_ids
+    assert first == again == fresh != other
 
 
-def test_seeded_sampling_gives_the_same_tokens_with_every_method():
-    outputs = {m: build(m).generate(PROMPT, 32, SAMPLING) for m in ("ar", "eagle3", "chain")}
+def test_seeded_sampling_gives_the_same_tokens_with_every_method(shared):
+    outputs = {m: shared(m).generate(PROMPT, 24, SAMPLING) for m in ("ar", "eagle3", "chain")}
     assert outputs["eagle3"].stats["accepted_tokens"] > 0  # drafts were accepted while sampling
     assert outputs["ar"].token_ids == outputs["eagle3"].token_ids == outputs["chain"].token_ids
 
@@ -71,6 +83,6 @@ def test_modelled_draft_time_makes_decisions_independent_of_the_clock(monkeypatc
         ticks = itertools.count()
         monkeypatch.setattr(engine_module, "_now", lambda device, step=step, ticks=ticks: step * next(ticks))
         engine = build("specfit", f"selector.draft_time={draft_time}")
-        runs.append(_decisions(engine.generate(PROMPT, 48)))
+        runs.append(_decisions(engine.generate(PROMPT, 32)))
     assert any(levels for _, levels, *_ in runs[0])  # it drafted
     assert (runs[0] == runs[1]) is independent
