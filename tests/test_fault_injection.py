@@ -122,14 +122,21 @@ def test_interrupted_bench_keeps_completed_runs_and_resumes(reference, tmp_path,
     assert "resume: 3 of 8 runs" in capsys.readouterr().err
 
 
-def test_resume_reruns_rows_of_another_config(reference, tmp_path, capsys):
-    """Rows of a different config in the same results file are not taken for this job's."""
+def test_resume_reruns_rows_of_another_config_and_can_extend_a_job(reference, tmp_path, capsys):
+    """Rows of a different config in the same results file are not taken for this job's; more
+    repeats (or methods, workloads) only add the missing runs."""
     run_dir = tmp_path / "run"
     main([*BENCH, "max_new_tokens=5", f"hydra.run.dir={run_dir}"])
     main([*BENCH, "resume=true", f"hydra.run.dir={run_dir}"])
     assert "resume: 0 of 8 runs" in capsys.readouterr().err
     rows = [r for r in _rows(run_dir) if r["config"]["max_new_tokens"] == 6]
     assert sorted(map(_key, rows)) == sorted(reference["bench"])
+    main([*BENCH, "repeats=2", "resume=true", f"hydra.run.dir={run_dir}"])
+    assert "resume: 8 of 16 runs" in capsys.readouterr().err
+    rows = [r for r in _rows(run_dir) if r["config"]["max_new_tokens"] == 6]
+    assert sorted(map(_key, rows)) == sorted([*reference["bench"], *((m, i, 1) for m, i, _ in reference["bench"])])
+    for r in rows:
+        assert r["output_ids"] == reference["bench"][(r["method"], r["prompt_index"], 0)]["output_ids"]
 
 
 def test_interrupted_record_keeps_completed_sequences_and_resumes(reference, tmp_path, monkeypatch, capsys):

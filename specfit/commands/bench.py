@@ -110,13 +110,18 @@ def _completed(path: Path, configs: dict[str, DictConfig]) -> dict[tuple[str, st
     return done
 
 
+# keys that choose which runs a job makes, not what one run does: a resumed job may change them
+# (e.g. add a method or a repeat to a finished bench)
+_JOB_KEYS = ("resume", "methods", "workloads", "repeats", "method_presets", "baseline")
+
+
 def _plain(config: Any) -> Any:
-    """A config as stored in a results row, without ``resume`` (a resumed job differs only there)."""
+    """A run's config as stored in a results row, without the keys that only shape the job."""
     if isinstance(config, DictConfig):
         config = OmegaConf.to_container(config, resolve=True)
     if not isinstance(config, dict):
         return None
-    return json.loads(json.dumps({k: v for k, v in config.items() if k != "resume"}, default=str))
+    return json.loads(json.dumps({k: v for k, v in config.items() if k not in _JOB_KEYS}, default=str))
 
 
 def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[str, Any]]:
@@ -185,7 +190,7 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
         print(f"specfit: interrupted: {finished} completed runs are in {results}; resume with: "
               f"{resume_command(output_dir)}", file=sys.stderr, flush=True)
         raise
-    append_jsonl(results.parent / "summary.jsonl", summaries)
+    append_jsonl(output_dir / "summary.jsonl", summaries)
     if any(r.get("h2d_emulated") for r in summaries):
         print("H2D times are EMULATED (cache.copy=emulated): each copy is charged the reference link's time.")
     print(f"results: {results}")

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specfit.errors import ConfigError
 from specfit.registry import get_plugins
+from specfit.files import check_writable
 from specfit.results import append_jsonl
 from specfit.trace.format import Trace, load_trace
 from specfit.trace.replay import ReplayResult, model_loader, replay
@@ -85,6 +86,7 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
     if not cfg.trace.path:
         raise ConfigError("set trace.path=DIR: a trace written by `specfit record`")
     trace = load_trace(cfg.trace.path)
+    check_writable(output_dir / cfg.results_file, "results_file")  # before the replays run
     draft_time = str(cfg.replay.draft_time)
     warmup = int(cfg.replay.warmup) if draft_time == "recorded" else 0
     given = cfg.model.path or cfg.model.builtin
