@@ -230,6 +230,10 @@ def test_token_budget_and_text_files_with_the_target_tokenizer(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not (default_data_dir() / "corpus").is_dir(), reason="needs ../shared/data")
 def test_builtin_corpus_and_heldout_eval(tmp_path):  # pragma: no cover - data-dependent
+    """The summary's acceptance length is measured on held-out prompts: after 40 steps on the built-in
+    corpus the head commits about 2.4 tokens per cycle on them (the random target's continuations
+    repeat), where a random head of the same shape commits 1.0."""
+    from specfit.training.target import heldout_prompts
     from specfit.training.tokenizer import build_tokenizer_object, wrap_tokenizer
 
     tok = wrap_tokenizer(build_tokenizer_object(["the cat sat on the mat. And the LORD said 12 + 3 = 15\n"],
@@ -238,8 +242,11 @@ def test_builtin_corpus_and_heldout_eval(tmp_path):  # pragma: no cover - data-d
     model.save_pretrained(tmp_path / "target")
     tok.save_pretrained(tmp_path / "target")
     cfg = TrainDrafterConfig(target_dir=str(tmp_path / "target"), out_dir=str(tmp_path / "head"),
-                             gsm_per_template=2, seq_len=32, batch_size=4, max_steps=2, ttt_steps=2,
-                             eval_windows=4, eval_prompts=2, eval_max_new_tokens=8, progress=False)
+                             gsm_per_template=2, seq_len=32, batch_size=4, max_steps=40, ttt_steps=2,
+                             eval_windows=4, eval_prompts=4, eval_max_new_tokens=32, progress=False)
     out = train_drafter(cfg)
     summary = json.loads((out / "training_summary.json").read_text())
-    assert summary["acceptance_length"] >= 1.0 and len(summary["eval_acc"]) == 2
+    assert len(summary["eval_acc"]) == 2
+    prompts = [text for _, text in heldout_prompts(cfg.data_dir, n_prose=2, n_gsm=2)]  # the trainer's eval prompts
+    random = acceptance_length(tmp_path / "target", None, prompts, 32)["spec_decode_acceptance_length"]
+    assert summary["acceptance_length"] > random + 0.7, (summary["acceptance_length"], random)
