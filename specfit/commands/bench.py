@@ -138,7 +138,7 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
     workloads = list(cfg.workloads) or [None]
     rows: list[dict[str, Any]] = []
     summaries: list[dict[str, Any]] = []
-    finished = planned = 0
+    finished = 0  # runs of this job on disk (resumed ones included)
     try:
         for workload in workloads:
             configs = {m: method_config(cfg, m, workload, overrides) for m in cfg.methods}
@@ -150,7 +150,6 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
             per_method: dict[str, list[dict[str, Any]]] = {m: [] for m in engines}
             outputs: dict[int, dict[str, list[int]]] = {}
             total = cfg.repeats * len(prompts) * len(engines)
-            planned += total
             skipped = sum((about["workload"], m, i, r) in done for r in range(cfg.repeats)
                           for i in range(len(prompts)) for m in engines)
             finished += skipped
