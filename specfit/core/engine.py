@@ -198,7 +198,7 @@ class Engine:
         """A prompt must leave room for at least one new token within the context limit."""
         limit = self.max_model_len
         if limit is not None and prompt_tokens >= limit:
-            native = getattr(self.model.config, "max_position_embeddings", None)
+            native = _native_context(self.model.config)
             source = "the model's max_position_embeddings" if limit == native else f"model.max_model_len={limit}"
             raise ConfigError(f"the prompt has {prompt_tokens} tokens, but the context limit is {limit} ({source}): "
                               f"no room for a new token; shorten the prompt")
@@ -317,16 +317,31 @@ class Engine:
 def context_limit(config: Any, override: int | None = None) -> int | None:
     """The most tokens (prompt + output) the target holds: ``max_position_embeddings`` of its config,
     or a smaller ``override`` (``model.max_model_len``, as in vLLM); None when neither is known."""
-    native = getattr(config, "max_position_embeddings", None)
-    native = int(native) if isinstance(native, int) and native > 0 else None
+    native = _native_context(config)
     if override is None:
         return native
     if isinstance(override, bool) or not isinstance(override, int) or override < 2:
         raise ConfigError(f"model.max_model_len={override!r} must be an integer >= 2 (a prompt token and a new one)")
     if native is not None and override > native:
-        raise ConfigError(f"model.max_model_len={override} exceeds the model's context limit "
-                          f"(max_position_embeddings={native})")
+        raise ConfigError(f"model.max_model_len={override} exceeds the model's context limit {native} "
+                          f"(max_position_embeddings, with its RoPE scaling)")
     return override
+
+
+def _native_context(config: Any) -> int | None:
+    """``max_position_embeddings``, extended by a RoPE scaling factor as vLLM derives it (YaRN:
+    ``original_max_position_embeddings x factor``; linear and dynamic: ``max_position_embeddings x factor``)."""
+    native = getattr(config, "max_position_embeddings", None)
+    if not isinstance(native, int) or isinstance(native, bool) or native <= 0:
+        return None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict) or not isinstance(rope.get("factor"), (int, float)):
+        return native
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in ("default", "su", "longrope", "llama3"):
+        return native
+    base = rope.get("original_max_position_embeddings", native) if kind == "yarn" else native
+    return int(base * rope["factor"])
 
 
 def should_draft(selector: Any) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from conftest import tiny_model
 
 import specfit
 from specfit import Engine
+from specfit.core.engine import context_limit
 from specfit.errors import ConfigError
 from specfit.plugins.drafters.eagle3.head import KVBuffer
 
@@ -140,11 +142,22 @@ def test_max_model_len_override():
     assert len(engine.generate(list(range(1, 31)), max_new_tokens=64).token_ids) == 10
     with pytest.raises(ConfigError, match="prompt has 40 tokens, but the context limit is 40 .model.max_model_len=40"):
         engine.generate(list(range(1, 41)), max_new_tokens=4)
-    with pytest.raises(ConfigError, match=r"model.max_model_len=8192 exceeds .*max_position_embeddings=4096"):
+    with pytest.raises(ConfigError, match=r"model.max_model_len=8192 exceeds the model's context limit 4096"):
         Engine(tiny_model(), device="cpu", max_model_len=8192)
     with pytest.raises(ConfigError, match="model.max_model_len"):
         Engine(tiny_model(), device="cpu", max_model_len=0)
     assert Engine(tiny_model(), device="cpu").max_model_len == 4096
+
+
+def test_rope_scaling_extends_the_native_limit_as_vllm_derives_it():
+    def limit(**rope):
+        return context_limit(SimpleNamespace(max_position_embeddings=40960, rope_parameters=rope or None))
+
+    assert limit() == 40960
+    assert limit(rope_type="default", rope_theta=1e6) == 40960
+    assert limit(rope_type="yarn", factor=4.0, original_max_position_embeddings=32768) == 131072
+    assert limit(rope_type="linear", factor=2.0) == 81920
+    assert limit(rope_type="llama3", factor=8.0) == 40960
 
 
 def test_max_model_len_from_the_config():
