@@ -36,6 +36,8 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
         node = cfg.get(kind)
         parts[kind] = plugins[kind].create(node) if node is not None else None
     loaded = load_target(OmegaConf.to_object(cfg.model))
+    if loaded.tokenizer is None:
+        _check_prompts_are_ids(cfg)
     cache_cfg = cfg.cache
     engine = Engine(
         loaded.model,
@@ -55,6 +57,21 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
     if calibrate_now:
         _attach_calibration(engine, calibration_prompts)
     return engine
+
+
+def _check_prompts_are_ids(cfg: DictConfig) -> None:
+    """Text prompts need a tokenizer: say so now, not after minutes of calibration and engine builds."""
+    if cfg.prompt_ids is not None:
+        return
+    key = "prompt" if cfg.prompt is not None else "prompt_file" if cfg.get("prompt_file") is not None else None
+    if key is None and (cfg.workload.kind != "inline" or cfg.workload.prompts):
+        from specfit.workloads import load_workload
+
+        if any(isinstance(p, str) for p in load_workload(cfg.workload)):
+            key = f"workload={cfg.workload.name}"
+    if key is not None:
+        raise ConfigError(f"{key}: text prompts need a tokenizer and this model has none; give token ids "
+                          f"(prompt_ids=[...]) or a model with a tokenizer (model.tokenizer=DIR for a checkpoint)")
 
 
 def _attach_calibration(engine: Engine, prompts: Sequence[Any] | None) -> None:

@@ -135,11 +135,13 @@ CASES: list[tuple[str, str, str]] = [
     # prompts
     ("generate model=tiny prompt=hi prompt_ids=[1]", "prompt_ids", EARLY),
     ("generate model=tiny prompt=hi", "prompt_ids", LATE),  # no tokenizer: the ids are the way
+    ("demo model=tiny max_new_tokens=2", "tokenizer", LATE),  # text prompts: refused before any calibration
+    ("generate model=tiny workload=gsm", "tokenizer", LATE),
     ("generate model=tiny prompt_file=/nope/prompt.txt", "prompt_file=/nope/prompt.txt", EARLY),
     ("generate model=tiny prompt_file={tmp}", "prompt_file", EARLY),  # a directory
     ("generate model=tiny prompt_file={tmp}/utf8.txt prompt=hi", "prompt_file", EARLY),
-    ("generate model=tiny prompt_file={tmp}/latin1.txt", "latin1.txt", LATE),
-    ("generate model=tiny prompt_file={tmp}/empty.txt", "empty.txt", LATE),
+    ("generate model=demo prompt_file={tmp}/latin1.txt", "latin1.txt", LATE),
+    ("generate model=demo prompt_file={tmp}/empty.txt", "empty.txt", LATE),
     # workloads
     ("generate model=tiny workload=jsonl", "workload.path", EARLY),
     ("generate model=tiny workload=jsonl workload.path=/nope/w.jsonl", "workload.path", EARLY),
@@ -245,7 +247,7 @@ def test_bad_line_is_one_clear_error(line, needle, stage, files, tmp_path, capsy
 
 def test_prompt_file_from_bad_standard_input(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe not utf-8")))
-    code, _, err, _ = run_cli(["generate", "model=tiny", "prompt_file=-", f"hydra.run.dir={tmp_path}"], capsys)
+    code, _, err, _ = run_cli(["generate", "model=demo", "prompt_file=-", f"hydra.run.dir={tmp_path}"], capsys)
     assert code == 2 and err.strip() == (
         "specfit: error: prompt_file=- (standard input) is not UTF-8 text (byte 0: b'\\xff'); "
         "convert it, e.g. with iconv -t utf-8")
