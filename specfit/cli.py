@@ -68,9 +68,14 @@ def _from_config_library(exc: BaseException) -> bool:
 
 
 def exit_for(exc: BaseException, verbose: bool = False) -> NoReturn:
-    """End the process for ``exc``: one line and an exit status (see the module docstring)."""
+    """End the process for ``exc``: one line and an exit status (see the module docstring).
+
+    A command that saved its progress when interrupted may say how to resume in the
+    KeyboardInterrupt it re-raises: ``raise KeyboardInterrupt("resume with: specfit ...")``.
+    """
     if isinstance(exc, KeyboardInterrupt):
-        print("specfit: interrupted", file=sys.stderr)
+        note = _one_line(str(exc))
+        print(f"specfit: interrupted{'; ' + note if note else ''}", file=sys.stderr)
         raise SystemExit(130)
     if isinstance(exc, SystemExit):
         raise exc

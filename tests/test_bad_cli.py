@@ -303,6 +303,12 @@ def test_ctrl_c_is_one_line_exit_130(monkeypatch, capsys, tmp_path):
     assert code == 130 and err.strip() == "specfit: interrupted"
 
 
+def test_ctrl_c_may_say_how_to_resume(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr("specfit.commands.generate.run", _broken_run(KeyboardInterrupt("resume with: specfit x")))
+    code, _, err, _ = run_cli(["generate", "model=tiny", "prompt_ids=[1]", f"hydra.run.dir={tmp_path}"], capsys)
+    assert code == 130 and err.strip() == "specfit: interrupted; resume with: specfit x"
+
+
 def test_a_bug_is_one_line_exit_1(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr("specfit.commands.generate.run", _broken_run(IndexError("list index out of range")))
     code, _, err, _ = run_cli(["generate", "model=tiny", "prompt_ids=[1]", f"hydra.run.dir={tmp_path}"], capsys)
