@@ -35,7 +35,8 @@ commands:
              train a BPE tokenizer, a Qwen3-MoE target, an EAGLE-3 head (for any supported MoE target)
   eval-target  held-out perplexity against a unigram baseline, and repetition in greedy output
 
-Overrides use Hydra syntax; `specfit <command> --cfg job` shows every key. Docs: docs/user-guide.md
+Overrides use Hydra syntax; `specfit <command> --cfg job` shows every key. A mistake is one line
+(exit status 2); verbose=true adds the traceback. Docs: docs/user-guide.md
 """
 
 # command -> (primary config, job)
@@ -134,7 +135,8 @@ def plain_overrides(args: list[str]) -> list[str]:
             skip = a in ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
                          "--config-dir", "-cd", "--experimental-rerun")
             continue
-        if a.split("=", 1)[0].lstrip("+~").startswith("hydra"):
+        key = a.split("=", 1)[0].lstrip("+~")
+        if key == "hydra" or key.startswith("hydra."):  # Hydra's own settings: Hydra checks them
             continue
         try:
             if parser.parse_overrides([a])[0].is_sweep_override():

@@ -276,7 +276,7 @@ def _check_keys(node: Any, prefix: str) -> None:
 
     from omegaconf import OmegaConf
 
-    if not isinstance(node, DictConfig) or node._is_none() or node._is_missing():
+    if not isinstance(node, DictConfig):
         return
     schema = OmegaConf.get_type(node)
     if dataclasses.is_dataclass(schema):
@@ -292,7 +292,7 @@ def _check_keys(node: Any, prefix: str) -> None:
                 raise ConfigError(f"config key '{prefix}{name}' is required (was it removed with ~{prefix}{name}?)")
     for key in node.keys():
         if not OmegaConf.is_missing(node, key) and not OmegaConf.is_interpolation(node, key):
-            _check_keys(node._get_node(key), f"{prefix}{key}.")
+            _check_keys(node[key], f"{prefix}{key}.")
 
 
 def _check_values(cfg: DictConfig) -> None:
@@ -369,12 +369,28 @@ def one_line_config_error(exc: BaseException) -> str:
             if line and line not in seen:
                 seen.append(line)
         err = err.__cause__
-    message = " ".join(seen) or type(exc).__name__
+    message = (" ".join(seen) or type(exc).__name__) + _did_you_mean(exc)
     if _is_parse_error(exc) and "LexerNoViableAltException" in message:  # characters Hydra's grammar refuses
         message = message.replace("LexerNoViableAltException: ", "cannot parse ").split(" See https://")[0]
         message = message.removesuffix(" ^") + (" (quote a value that has spaces, non-ASCII or special characters inside the shell's quotes:"
                     " 'prompt=\"...\"'; a prompt can also come from prompt_file=PATH)")
     return message
+
+
+def _did_you_mean(exc: BaseException | None) -> str:
+    """For a misspelt key of a typed node (OmegaConf names the node's dataclass): the nearest field."""
+    import dataclasses
+    import difflib
+
+    while exc is not None:
+        schema, key = getattr(exc, "object_type", None), getattr(exc, "key", None)
+        if dataclasses.is_dataclass(schema) and isinstance(key, str):
+            near = difflib.get_close_matches(key, [f.name for f in dataclasses.fields(schema)], n=1)
+            if near:
+                full = str(getattr(exc, "full_key", None) or key)
+                return f"; did you mean {full[: len(full) - len(key)]}{near[0]}?"
+        exc = exc.__cause__
+    return ""
 
 
 def _is_parse_error(exc: BaseException | None) -> bool:

@@ -75,6 +75,8 @@ CASES: list[tuple[str, str, str]] = [
     (f"{EAGLE} drafter.top_k=100000", "drafter.top_k", LATE),  # more than the draft vocabulary
     (f"{EAGLE} drafter.path=/nope/head", "drafter.path", EARLY),
     (f"{EAGLE} drafter.seed=x", "drafter.seed", EARLY),
+    (f"{EAGLE} drafter.topk=3", "did you mean drafter.top_k?", EARLY),
+    (f"{EAGLE} +drafter.depht=3", "did you mean drafter.depth?", EARLY),
     # the cache and copy engine
     (f"{S} cache.capacity=0", "cache.capacity", EARLY),
     (f"{S} cache.capacity=-3", "cache.capacity", EARLY),
