@@ -340,8 +340,9 @@ def _check_workload(workload: DictConfig) -> None:
     from pathlib import Path
 
     from specfit.validation import choice, integer, optional_integer
+    from specfit.workloads import KINDS
 
-    choice("workload.kind", workload.kind, ("inline", "prose", "summary", "gsm", "jsonl", "hf"))
+    choice("workload.kind", workload.kind, KINDS)
     integer("workload.num_prompts", workload.num_prompts, minimum=1)
     integer("workload.prompt_chars", workload.prompt_chars, minimum=1)
     optional_integer("workload.max_prompts", workload.max_prompts, minimum=1)
@@ -372,8 +373,7 @@ def one_line_config_error(exc: BaseException) -> str:
     message = (" ".join(seen) or type(exc).__name__) + _did_you_mean(exc)
     if _is_parse_error(exc) and "LexerNoViableAltException" in message:  # characters Hydra's grammar refuses
         message = message.replace("LexerNoViableAltException: ", "cannot parse ").split(" See https://")[0]
-        message = message.removesuffix(" ^") + (" (quote a value that has spaces, non-ASCII or special characters inside the shell's quotes:"
-                    " 'prompt=\"...\"'; a prompt can also come from prompt_file=PATH)")
+        message = message.removesuffix(" ^") + _QUOTING_HINT
     return message
 
 
@@ -404,4 +404,6 @@ def _is_parse_error(exc: BaseException | None) -> bool:
 # lines of Hydra/OmegaConf messages that name no problem (the search path lists every provider)
 _NOISE = ("full_key:", "object_type=", "reference_type=", "Set the environment", "Config search path",
           "provider=")
+_QUOTING_HINT = (" (quote a value that has spaces, non-ASCII or special characters inside the shell's quotes:"
+                 " 'prompt=\"...\"'; a prompt can also come from prompt_file=PATH)")
 _APPEND_HINT = re.compile(r"\s*To append to your config use \+\S+")
