@@ -147,7 +147,8 @@ class Registry:
                 raise ConfigError(f"{self.kind}: {one_line_config_error(exc)}") from exc
         name = getattr(cfg, "name", None)
         if not isinstance(name, str):
-            raise PluginError(f"a {self.kind} config needs a `name` (a registered {self.kind}), got {type(cfg).__name__}")
+            raise PluginError(f"a {self.kind} config needs a `name` (a registered {self.kind}), "
+                              f"got {type(cfg).__name__}")
         entry = self.get(name)
         if not isinstance(cfg, entry.cls.Config):
             raise PluginError(

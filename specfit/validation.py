@@ -120,7 +120,8 @@ def check_engine_args(model: Any, max_new_tokens: Any, sampling: Any) -> None:
     from specfit.errors import ModelError
 
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
-        raise ModelError(f"Engine needs a transformers MoE model (an nn.Module with a config), got {type(model).__name__}")
+        raise ModelError(f"Engine needs a transformers MoE model (an nn.Module with a config), "
+                         f"got {type(model).__name__}")
     integer("max_new_tokens", max_new_tokens, minimum=1)
     if sampling is not None and not isinstance(sampling, SamplingParams):
         raise ConfigError(f"sampling must be a specfit.core.sampling.SamplingParams, got {type(sampling).__name__}")
@@ -137,7 +138,8 @@ def device_arg(device: Any) -> Any:
     try:
         out = torch.device(device)
     except RuntimeError as exc:
-        raise ConfigError(f"device={device!r} is not a torch device (cpu, cuda, cuda:N): {str(exc).splitlines()[0]}") from None
+        reason = str(exc).splitlines()[0]
+        raise ConfigError(f"device={device!r} is not a torch device (cpu, cuda, cuda:N): {reason}") from None
     if out.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={device!r}: no CUDA device is available (torch {torch.__version__})")
     return out
