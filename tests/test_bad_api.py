@@ -85,6 +85,8 @@ CASES: list[tuple[str, Callable[..., Any], type[Exception], str]] = [
     ("engine-copy", lambda: _engine(copy="foo"), ConfigError, "cache.copy"),
     ("engine-device-name", lambda: _engine(device="tpu"), ConfigError, "device"),
     ("engine-device-int", lambda: _engine(device=3), ConfigError, "device"),
+    *([("engine-no-cuda", lambda: _engine(device="cuda:0"), ConfigError, "no CUDA device")]
+      if not torch.cuda.is_available() else []),
     ("engine-context", lambda: _engine(max_model_len=1), ConfigError, "model.max_model_len"),
     ("engine-drafter", lambda: _engine(drafter=_NotADrafter()), PluginError, "drafter"),
     # Engine.generate(prompt, max_new_tokens, sampling)
