@@ -21,11 +21,14 @@ from specfit.errors import ConfigError
 from specfit.registry import get_plugins
 
 
-def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, calibrate_now: bool = True) -> Engine:
+def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, calibrate_now: bool = True,
+          check_prompts: Sequence[Any] = ()) -> Engine:
     """An :class:`Engine` for a composed config: loads the model, builds every plugin by name.
 
     A cost model with ``calibration=auto`` gets this setup's stored constants, measured now (and
     stored) the first time (unless ``calibrate_now`` is false: `specfit calibrate` measures itself).
+    ``check_prompts`` are the prompts a command will decode: each is checked (token ids, context
+    limit) before any calibration, so a bad one fails in seconds, not after the other prompts ran.
     """
     if not isinstance(cfg, DictConfig):
         raise ConfigError(f"build() takes the config specfit.compose() returns, got {type(cfg).__name__}")
@@ -54,6 +57,8 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
         info={"model": loaded.source},
         **parts,
     )
+    for prompt in check_prompts:
+        engine.check_prompt(prompt)
     if calibrate_now:
         _attach_calibration(engine, calibration_prompts)
     return engine

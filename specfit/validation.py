@@ -127,19 +127,19 @@ def check_engine_args(model: Any, max_new_tokens: Any, sampling: Any) -> None:
         raise ConfigError(f"sampling must be a specfit.core.sampling.SamplingParams, got {type(sampling).__name__}")
 
 
-def device_arg(device: Any) -> Any:
-    """A torch.device from ``model.device`` / ``Engine(device=...)``, or a ConfigError naming it."""
+def device_arg(device: Any, key: str = "device") -> Any:
+    """A torch.device from ``model.device`` / ``Engine(device=...)``, or a ConfigError naming ``key``."""
     import torch
 
     if isinstance(device, torch.device):
         return device
     if not isinstance(device, str):
-        raise ConfigError(f"device={device!r} must be a string such as cpu, cuda or cuda:0")
+        raise ConfigError(f"{key}={device!r} must be a string such as cpu, cuda or cuda:0")
     try:
         out = torch.device(device)
     except RuntimeError as exc:
         reason = str(exc).splitlines()[0]
-        raise ConfigError(f"device={device!r} is not a torch device (cpu, cuda, cuda:N): {reason}") from None
+        raise ConfigError(f"{key}={device!r} is not a torch device (cpu, cuda, cuda:N): {reason}") from None
     if out.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={device!r}: no CUDA device is available (torch {torch.__version__})")
+        raise ConfigError(f"{key}={device!r}: no CUDA device is available (torch {torch.__version__})")
     return out

@@ -71,7 +71,7 @@ CASES: list[tuple[str, Callable[..., Any], type[Exception], str]] = [
     ("build-no-model-dir", lambda: specfit.build(_composed("model.path=/nope/m", "model.builtin=null")), ModelError,
      "model.path"),
     ("build-name-mismatch", lambda: specfit.build(_composed("cache.name=none")), PluginError, "cache.name"),
-    ("build-top-k-vocab", lambda: specfit.build(_composed("drafter=eagle3", "drafter.top_k=100000")), ConfigError,
+    ("build-top-k-limit", lambda: specfit.build(_composed("drafter=eagle3", "drafter.top_k=100000")), ConfigError,
      "drafter.top_k"),
     ("build-below-top-k", lambda: specfit.build(_composed("cache.capacity=1")), ConfigError, "cache.capacity"),
     # Engine(...)
@@ -170,3 +170,16 @@ def test_the_engine_still_works_after_bad_calls(engine):
             engine.generate(bad)
     out = engine.generate([5, 17, 99], max_new_tokens=3)
     assert len(out.token_ids) == 3
+
+
+def test_top_k_wider_than_the_heads_draft_vocabulary_names_drafter_top_k():
+    """A head with a 16-token draft vocabulary cannot rank a beam of 20: refused when the drafter binds."""
+    import dataclasses
+
+    from specfit.plugins.drafters.eagle3.checkpoint import head_config_for, random_head
+    from specfit.plugins.drafters.eagle3.drafter import Eagle3Drafter
+
+    model = tiny_model()
+    head = random_head(dataclasses.replace(head_config_for(model), draft_vocab_size=16))
+    with pytest.raises(ConfigError, match=r"drafter\.top_k=20 exceeds the EAGLE-3 head's draft vocabulary \(16"):
+        Engine(model, drafter=Eagle3Drafter(top_k=20, head=head), device="cpu")

@@ -72,7 +72,9 @@ CASES: list[tuple[str, str, str]] = [
     (f"{EAGLE} drafter.num_draft_tokens=1", "drafter.num_draft_tokens", EARLY),
     (f"{EAGLE} drafter.num_steps=-1", "drafter.num_steps", EARLY),
     (f"{EAGLE} drafter.top_k=4 drafter.eagle_topk=5", "drafter.eagle_topk", EARLY),
-    (f"{EAGLE} drafter.top_k=100000", "drafter.top_k", LATE),  # more than the draft vocabulary
+    (f"{EAGLE} drafter.top_k=100000", "drafter.top_k", EARLY),  # past the tree limits
+    (f"{EAGLE} drafter.depth=100000", "drafter.depth", EARLY),  # once drafted to the end of the context
+    (f"{EAGLE} drafter.num_draft_tokens=5000", "drafter.total_tokens", EARLY),
     (f"{EAGLE} drafter.path=/nope/head", "drafter.path", EARLY),
     (f"{EAGLE} drafter.seed=x", "drafter.seed", EARLY),
     (f"{EAGLE} drafter.topk=3", "did you mean drafter.top_k?", EARLY),
@@ -343,3 +345,16 @@ def test_the_console_script_behaves_the_same(argv, needle, tmp_path):
     lines = [x for x in done.stderr.splitlines() if x.strip()]
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert lines[0].startswith("specfit: error:") and needle in lines[0]
+
+
+def test_bench_refuses_a_prompt_past_the_context_before_decoding_any(tmp_path, capsys):
+    """The second prompt is too long: the bench stops before the first one runs (no row written)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2, 3]}\n{"prompt_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9]}\n')
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "model=tiny", "model.max_model_len=8", "workload=jsonl", f"workload.path={prompts}",
+              "methods=[ar]", "max_new_tokens=2", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert exc.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err[-1].startswith("specfit: error:") and "context limit is 8" in err[-1], err
+    assert not any((tmp_path / "run").rglob("results.jsonl"))

@@ -146,7 +146,7 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
             prompts = prompts_of(any_cfg)
             about = describe(any_cfg.workload)
             done = _completed(results, configs) if cfg.resume else {}
-            engines = {m: build(c) for m, c in configs.items()}
+            engines = {m: build(c, check_prompts=prompts) for m, c in configs.items()}
             per_method: dict[str, list[dict[str, Any]]] = {m: [] for m in engines}
             outputs: dict[int, dict[str, list[int]]] = {}
             total = cfg.repeats * len(prompts) * len(engines)

@@ -63,10 +63,11 @@ def read_prompt_file(path: str) -> str:
 def run(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
     """Decode each prompt; its row goes to the results file as soon as it is done (checked writable first)."""
     path = check_writable(output_dir / cfg.results_file, "results_file")
-    engine = build(cfg)
+    prompts = prompts_of(cfg)
+    engine = build(cfg, check_prompts=prompts)
     rows = []
     config = OmegaConf.to_container(cfg, resolve=True)
-    for prompt in prompts_of(cfg):
+    for prompt in prompts:
         out = engine.generate(prompt)
         print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
         print(stats_line(out.stats))

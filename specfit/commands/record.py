@@ -38,7 +38,7 @@ def run(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
         print(f"trace: {path} is already complete ({len(trace.sequences)} sequences): nothing to resume")
         return {"command": "record", "trace": str(path), "sequences": len(trace.sequences)}
     prompts = prompts_of(cfg)
-    engine = build(cfg, calibration_prompts=prompts)
+    engine = build(cfg, calibration_prompts=prompts, check_prompts=prompts)
     config = OmegaConf.to_container(cfg, resolve=True)
     spec = spec_to_json(engine.spec)
     writer = TraceWriter(path)

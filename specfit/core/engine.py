@@ -157,10 +157,9 @@ class Engine:
         sampling: SamplingParams | None = None,
     ) -> GenerationOutput:
         """Decode from ``prompt`` (text needs a tokenizer; token ids always work)."""
-        ids = self._encode(prompt)
+        ids = self.check_prompt(prompt)
         limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         check_engine_args(self.model, limit, sampling)
-        self._check_prompt_fits(len(ids))
         sampler = Sampler(sampling or self.sampling)
         stats = RunStats(prompt_tokens=len(ids), info=dict(self.info))
         out: list[int] = []
@@ -193,6 +192,13 @@ class Engine:
         text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationOutput(out, text, stats.summary(), prompt_ids=ids, cycles=stats.cycles,
                                 finish_reason=stats.finish_reason)
+
+    def check_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """The prompt's token ids, or a ConfigError when it is not usable (bad ids, no tokenizer for text,
+        longer than the context limit). Commands call it on every prompt before decoding any."""
+        ids = self._encode(prompt)
+        self._check_prompt_fits(len(ids))
+        return ids
 
     def _check_prompt_fits(self, prompt_tokens: int) -> None:
         """A prompt must leave room for at least one new token within the context limit."""

@@ -16,6 +16,7 @@ from torch import nn
 
 from specfit.config import ModelConfig
 from specfit.errors import ModelError
+from specfit.validation import device_arg
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -39,13 +40,9 @@ ATTENTION = ("sdpa", "eager")  # the implementations tree verification supports 
 
 
 def check_device(device: str) -> None:
-    """``model.device``: auto, cpu, cuda or cuda:N, and CUDA only where there is a GPU."""
-    if device in ("auto", "cpu"):
-        return
-    if not device.startswith("cuda") or not (device == "cuda" or device[5:6] == ":" and device[6:].isdigit()):
-        raise ModelError(f"model.device={device!r} is not one of auto, cpu, cuda, cuda:N")
-    if not torch.cuda.is_available():
-        raise ModelError(f"model.device={device}: no CUDA device is available (torch {torch.__version__})")
+    """``model.device``: auto, or any torch device (cpu, cuda, cuda:N), CUDA only where there is a GPU."""
+    if device != "auto":
+        device_arg(device, key="model.device")
 
 
 def load_target(cfg: ModelConfig) -> LoadedModel:

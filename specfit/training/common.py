@@ -149,3 +149,33 @@ def read_text_files(paths: Sequence[str]) -> list[tuple[str, str]]:
         else:
             docs.append((path.name, path.read_text(encoding="utf-8", errors="replace")))
     return docs
+
+
+# Trainer config fields that may be 0 (every other number must be positive); fractions in [0, 1).
+_MAY_BE_ZERO = {"seed", "gsm_seed", "warmup_steps", "weight_decay", "router_aux_loss_coef", "grad_clip",
+                "min_lr_ratio", "beta1", "beta2", "step_weight_decay", "gsm_per_template", "initializer_range",
+                "eval_windows", "eval_prompts", "max_windows", "n_prompts"}  # 0: no evaluation of that kind
+_FRACTIONS = {"min_lr_ratio", "beta1", "beta2"}
+
+
+def check_trainer_config(cfg: Any) -> None:
+    """One line naming the key for a trainer setting that cannot train (a negative size, a NaN rate).
+
+    Called from each trainer config's ``__post_init__``: the CLI builds the dataclass before training."""
+    import dataclasses
+
+    from specfit.errors import ConfigError
+
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if value is None or isinstance(value, (bool, str)) or not isinstance(value, (int, float)):
+            continue
+        if not math.isfinite(value):
+            raise ConfigError(f"{f.name}={value} must be a finite number")
+        if value < 0 or (value == 0 and f.name not in _MAY_BE_ZERO):
+            raise ConfigError(f"{f.name}={value} must be {'>= 0' if f.name in _MAY_BE_ZERO else 'positive'}")
+        if f.name in _FRACTIONS and value >= 1:
+            raise ConfigError(f"{f.name}={value} must be in [0, 1)")
+    top_k, experts = getattr(cfg, "num_experts_per_tok", None), getattr(cfg, "num_experts", None)
+    if top_k is not None and experts is not None and top_k > experts:
+        raise ConfigError(f"num_experts_per_tok={top_k} exceeds num_experts={experts}")

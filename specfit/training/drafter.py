@@ -42,7 +42,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specfit.training.common import JsonlLog, progress_bar, warmup_cosine_lr, write_json
+from specfit.training.common import JsonlLog, check_trainer_config, progress_bar, warmup_cosine_lr, write_json
 from specfit.training.draft_vocab import DraftVocab, build_draft_vocab, token_counts
 
 #: Fields a resumed run must share with its checkpoint (the head's shape, data stream, schedule).
@@ -121,6 +121,9 @@ class TrainDrafterConfig:
             return replace(self)
         per_step = self.batch_size * self.seq_len
         return replace(self, max_steps=max(1, math.ceil(self.max_tokens / per_step)), max_tokens=None)
+
+    def __post_init__(self) -> None:
+        check_trainer_config(self)
 
 
 def config_from_dict(d: dict[str, Any]) -> TrainDrafterConfig:

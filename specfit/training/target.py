@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from specfit.training.common import (
-    JsonlLog, load_state, progress_bar, read_text_files, rng_state, set_rng_state, truncate_log, warmup_cosine_lr,
+    JsonlLog, check_trainer_config, load_state, progress_bar, read_text_files, rng_state, set_rng_state, truncate_log, warmup_cosine_lr,
     write_json,
 )
 from specfit.data.paths import default_data_dir
@@ -103,6 +103,9 @@ class TrainTargetConfig:
     resume: bool = False
     progress: bool | None = None  # None: a bar only when stderr is a terminal
     save_dtype: str = "float32"  # dtype of the final safetensors ("float32" or "bfloat16")
+
+    def __post_init__(self) -> None:
+        check_trainer_config(self)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -704,6 +707,9 @@ class EvalTargetConfig:
     gen_tokens: int = 128
     threads: int = 2
     out: str | None = None  # JSON with every figure and the generated samples (default: beside the model)
+
+    def __post_init__(self) -> None:
+        check_trainer_config(self)
 
 
 def eval_target(cfg: EvalTargetConfig) -> Path:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from specfit.training.common import write_json
+from specfit.training.common import check_trainer_config, write_json
 from specfit.data.corpus import load_corpus
 from specfit.data.gsm import (
     TRAIN_TEMPLATES, GenerationReport, format_problem, generate_problems,
@@ -35,6 +35,9 @@ class TrainTokenizerConfig:
     seed: int = 0
     individual_digits: bool = True
     max_token_length: int | None = 16  # longest merged token in characters (None: unlimited)
+
+    def __post_init__(self) -> None:
+        check_trainer_config(self)
 
 
 def training_documents(data_dir: str | os.PathLike[str] | None, gsm_per_template: int,

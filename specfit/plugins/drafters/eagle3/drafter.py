@@ -41,12 +41,26 @@ class Eagle3DrafterConfig(DrafterConfig):
 
     def __post_init__(self) -> None:
         """Ranges the schema cannot express; ``top_k`` against the draft vocabulary is checked in ``bind``."""
-        for key in ("top_k", "depth", "total_tokens"):
-            integer(f"drafter.{key}", getattr(self, key), minimum=1)
+        check_tree_shape(self.top_k, self.depth, self.total_tokens)
         optional_integer("drafter.eagle_topk", self.eagle_topk, minimum=1)
         optional_integer("drafter.num_steps", self.num_steps, minimum=1)
         optional_integer("drafter.num_draft_tokens", self.num_draft_tokens, minimum=2)  # the root and a draft token
         integer("drafter.seed", self.seed)
+
+
+# Upper bounds of the draft tree. Published EAGLE-3 setups stay far below them (top_k <= 10, depth <= 8,
+# 60-64 draft tokens); past them a tree costs more to draft than any acceptance repays, and a slip
+# such as depth=100000 would draft to the end of the context on every cycle.
+TREE_LIMITS = {"top_k": 64, "depth": 64, "total_tokens": 1024}
+
+
+def check_tree_shape(top_k: int, depth: int, total_tokens: int) -> None:
+    """``drafter.top_k`` / ``depth`` / ``total_tokens``: integers in [1, TREE_LIMITS], one line naming the key."""
+    for key, value in (("top_k", top_k), ("depth", depth), ("total_tokens", total_tokens)):
+        integer(f"drafter.{key}", value, minimum=1)
+        if value > TREE_LIMITS[key]:
+            raise ConfigError(f"drafter.{key}={value} exceeds {TREE_LIMITS[key]}, the largest draft tree specfit "
+                              "builds (published EAGLE-3 setups use top_k <= 10, depth <= 8, total_tokens <= 64)")
 
 
 def _alias(cfg: Eagle3DrafterConfig, field: str, alias: str, offset: int = 0) -> int:
@@ -65,9 +79,7 @@ class Eagle3Drafter:
 
     def __init__(self, path: str | None = None, top_k: int = 10, depth: int = 7, total_tokens: int = 60,
                  seed: int = 0, head: Eagle3Head | None = None) -> None:
-        for key, value in (("top_k", top_k), ("depth", depth), ("total_tokens", total_tokens)):
-            if value < 1:
-                raise ConfigError(f"drafter.{key}={value} must be >= 1")
+        check_tree_shape(top_k, depth, total_tokens)
         self.path, self.top_k, self.depth, self.total_tokens, self.seed = path, top_k, depth, total_tokens, seed
         self.head = head if head is not None else (load_head(path) if path and path != "random" else None)
 
