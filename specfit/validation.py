@@ -137,9 +137,8 @@ def device_arg(device: Any, key: str = "device") -> Any:
         raise ConfigError(f"{key}={device!r} must be a string such as cpu, cuda or cuda:0")
     try:
         out = torch.device(device)
-    except RuntimeError as exc:
-        reason = str(exc).splitlines()[0]
-        raise ConfigError(f"{key}={device!r} is not a torch device (cpu, cuda, cuda:N): {reason}") from None
+    except RuntimeError:
+        raise ConfigError(f"{key}={device!r} is not a torch device (cpu, cuda, cuda:N, ...)") from None
     if out.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{key}={device!r}: no CUDA device is available (torch {torch.__version__})")
     return out

@@ -144,8 +144,8 @@ CASES: list[tuple[str, str, str]] = [
     ("generate model=tiny prompt_file=/nope/prompt.txt", "prompt_file=/nope/prompt.txt", EARLY),
     ("generate model=tiny prompt_file={tmp}", "prompt_file", EARLY),  # a directory
     ("generate model=tiny prompt_file={tmp}/utf8.txt prompt=hi", "prompt_file", EARLY),
-    ("generate model=demo prompt_file={tmp}/latin1.txt", "latin1.txt", LATE),
-    ("generate model=demo prompt_file={tmp}/empty.txt", "empty.txt", LATE),
+    ("generate model=demo prompt_file={tmp}/latin1.txt", "latin1.txt", EARLY),  # read before the model loads
+    ("generate model=demo prompt_file={tmp}/empty.txt", "empty.txt", EARLY),  # read before the model loads
     # workloads
     ("generate model=tiny workload=jsonl", "workload.path", EARLY),
     ("generate model=tiny workload=jsonl workload.path=/nope/w.jsonl", "workload.path", EARLY),
