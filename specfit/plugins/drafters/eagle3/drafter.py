@@ -38,13 +38,23 @@ class Eagle3DrafterConfig(DrafterConfig):
     eagle_topk: int | None = None
     num_steps: int | None = None
     num_draft_tokens: int | None = None
+    # vLLM's names: num_speculative_tokens (the depth of an EAGLE chain), and speculative_config as a
+    # JSON string ('{"method": "eagle3", "model": DIR, "num_speculative_tokens": 5}'); see aliases.py
+    num_speculative_tokens: int | None = None
+    speculative_config: Any = None  # a JSON string, or a mapping (Hydra: {num_speculative_tokens: 5})
 
     def __post_init__(self) -> None:
-        """Ranges the schema cannot express; ``top_k`` against the draft vocabulary is checked in ``bind``."""
-        check_tree_shape(self.top_k, self.depth, self.total_tokens)
+        """Ranges the schema cannot express, and the aliases resolved into path / top_k / depth /
+        total_tokens (so results record the values used); ``top_k`` against the draft vocabulary is
+        checked in ``bind``."""
+        from specfit.plugins.drafters.eagle3.aliases import resolve_all
+
         optional_integer("drafter.eagle_topk", self.eagle_topk, minimum=1)
         optional_integer("drafter.num_steps", self.num_steps, minimum=1)
         optional_integer("drafter.num_draft_tokens", self.num_draft_tokens, minimum=2)  # the root and a draft token
+        optional_integer("drafter.num_speculative_tokens", self.num_speculative_tokens, minimum=1)
+        resolve_all(self)
+        check_tree_shape(self.top_k, self.depth, self.total_tokens)
         integer("drafter.seed", self.seed)
 
 
