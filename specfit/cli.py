@@ -195,10 +195,9 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    from specfit.config import check_config, compose
-    from specfit.registry import get_plugins
+    from specfit.config import check_config, compose, store_configs
 
-    get_plugins()  # plugin configs must be in Hydra's ConfigStore before it composes
+    store_configs()  # plugin configs must be in Hydra's ConfigStore before it composes
     if command in TRAIN_COMMANDS:
         job = _trainer(command)
         config_name = command

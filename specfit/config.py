@@ -8,98 +8,29 @@ or a wrong type fails at composition. ``model`` and ``workload`` are plain group
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from omegaconf import MISSING, DictConfig
 
-from specfit.core.link_profiles import DEFAULT_PROFILE
 from specfit.errors import ConfigError
-from specfit.validation import optional_integer
+# The plug-in groups' base configs live with the contracts (plug-ins import them from there);
+# re-exported here for the main schema and existing imports.
+from specfit.interfaces.configs import (  # noqa: F401
+    COPY_KINDS,
+    PLUGIN_BASES,
+    CacheConfig,
+    CostModelConfig,
+    DrafterConfig,
+    LinkConfig,
+    PluginConfig,
+    PredictorConfig,
+    SelectorConfig,
+)
+
+from specfit.config_messages import one_line_config_error
 
 CONFIG_MODULE = "specfit.conf"
-COPY_KINDS = ("triton", "torch", "emulated")  # cache.copy (specfit.core.copy_engines builds them)
-
-
-# --------------------------------------------------------------------------- plugin group bases
-
-
-@dataclass
-class PluginConfig:
-    """Every plugin config names its plugin; the registry, not ``_target_``, resolves it."""
-
-    name: str = MISSING
-
-
-@dataclass
-class DrafterConfig(PluginConfig):
-    pass
-
-
-@dataclass
-class SelectorConfig(PluginConfig):
-    pass
-
-
-@dataclass
-class CostModelConfig(PluginConfig):
-    pass
-
-
-@dataclass
-class PredictorConfig(PluginConfig):
-    pass
-
-
-@dataclass
-class LinkConfig:
-    """Emulated host-to-device link (``cache.copy=emulated``): explicit values override the profile."""
-
-    profile: str | None = DEFAULT_PROFILE
-    bandwidth_gbps: float | None = None
-    latency_us: float | None = None
-    ref_expert_bytes: int | None = None
-
-
-@dataclass
-class CacheConfig(PluginConfig):
-    """Expert cache: a residency policy plus the slots and copy engine it runs on."""
-
-    # device slots per MoE layer (experts); more than the layer has is clamped to all of them (a full
-    # cache), as one capacity can then be swept over models with different expert counts
-    capacity: int | None = None
-    capacity_bytes: int | None = None  # alternative: device bytes for all layers' slots
-    copy: str = "torch"  # triton | torch | emulated
-    link: LinkConfig = field(default_factory=LinkConfig)
-
-    def __post_init__(self) -> None:
-        """Runs when the registry builds the cache (OmegaConf.to_object): values the schema cannot check."""
-        optional_integer("cache.capacity", self.capacity, minimum=1)
-        optional_integer("cache.capacity_bytes", self.capacity_bytes, minimum=1)
-        if self.copy not in COPY_KINDS:
-            raise ConfigError(f"unknown copy engine cache.copy={self.copy!r}; valid values: {', '.join(COPY_KINDS)}")
-        if self.capacity is not None and self.capacity_bytes is not None:
-            raise ConfigError("set cache.capacity or cache.capacity_bytes, not both")
-        if self.copy == "emulated":  # the link's settings only matter to the emulated engine
-            from dataclasses import asdict
-
-            from specfit.core.copy_engines import LinkSettings
-
-            link = self.link if isinstance(self.link, LinkConfig) else LinkConfig(**dict(self.link))
-            try:
-                LinkSettings(**asdict(link)).resolve()
-            except (KeyError, ValueError) as exc:  # an unknown profile, a bandwidth <= 0
-                raise ConfigError(" ".join(str(exc).strip("'\"").split())) from None
-
-
-PLUGIN_BASES: dict[str, type[PluginConfig]] = {
-    "drafter": DrafterConfig,
-    "selector": SelectorConfig,
-    "cost_model": CostModelConfig,
-    "cache": CacheConfig,
-    "predictor": PredictorConfig,
-}
 
 
 # --------------------------------------------------------------------------- plain groups
@@ -158,11 +89,12 @@ class TraceConfig:
 
 @dataclass
 class ReplayConfig:
-    # D, the drafting time charged per cycle: recorded (the trace's time up to the level the selector
-    # stopped at, plus predictor and selector time measured in the replay) | modelled (c_draft0 +
-    # c_level * levels from the calibration: the replay then depends on no clock)
-    draft_time: str = "recorded"
-    warmup: int = 8  # recorded time only: cycles first replayed with throwaway plugins (one-time costs)
+    # D, the drafting time charged per cycle, in the selector's vocabulary: measured (the trace's
+    # drafting time up to the level the selector stopped at, plus predictor and selector time measured
+    # in the replay; "recorded", its earlier name, is accepted) | modelled (c_draft0 + c_level * levels
+    # from the calibration: the replay then depends on no clock)
+    draft_time: str = "measured"
+    warmup: int = 8  # measured time only: cycles first replayed with throwaway plugins (one-time costs)
     oracle: bool = True  # also replay selector=oracle per cache and cost model, the reference of every method
 
 
@@ -183,6 +115,7 @@ class SpecfitConfig:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     results_file: str = "results.jsonl"
+    answers_dir: str | None = None  # bench/demo: also write Spec-Bench-style answers, one JSONL per method
     # bench/demo: skip the runs already in results_file with the same config; record: continue the
     # incomplete trace at trace.path (an interrupted run prints the exact command)
     resume: bool = False
@@ -217,6 +150,26 @@ def store_schemas(cs: Any) -> None:
     OmegaConf.register_new_resolver("specfit.asset", asset_path, replace=True)
 
 
+_STORED_FOR: Any = None  # the plugin set whose configs are in Hydra's ConfigStore
+
+
+def store_configs() -> None:
+    """Load the plugins and put every config node into Hydra's ConfigStore before it composes: the
+    main schema, each plugin's ``Config`` as an option of its group, plugins' extra nodes. Once per
+    plugin set (again after :func:`specfit.registry.reset_plugins`)."""
+    global _STORED_FOR
+    from hydra.core.config_store import ConfigStore
+
+    from specfit.registry import get_plugins
+
+    plugins = get_plugins()
+    if plugins is not _STORED_FOR:
+        cs = ConfigStore.instance()
+        store_schemas(cs)
+        plugins.store_configs(cs)
+        _STORED_FOR = plugins
+
+
 def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictConfig:
     """Compose a config from the packaged conf/ tree and ``overrides`` (Hydra syntax).
 
@@ -227,9 +180,7 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictC
     from hydra import initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    from specfit.registry import get_plugins
-
-    get_plugins()
+    store_configs()
     if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):
         raise ConfigError(f"compose(overrides=...) takes a list of 'key=value' strings, got {overrides!r:.60}")
     try:
@@ -353,57 +304,5 @@ def _check_workload(workload: DictConfig) -> None:
 def _check_replay(replay: DictConfig) -> None:
     from specfit.validation import choice, integer
 
-    choice("replay.draft_time", replay.draft_time, ("recorded", "modelled"))
+    choice("replay.draft_time", replay.draft_time, ("measured", "modelled", "recorded"))  # recorded: measured
     integer("replay.warmup", replay.warmup, minimum=0)
-
-
-def one_line_config_error(exc: BaseException) -> str:
-    """Hydra's messages span lines and end in hints about HYDRA_FULL_ERROR; keep what names the problem."""
-    seen = []
-    err: BaseException | None = exc
-    while err is not None:
-        for line in str(err).splitlines():
-            line = line.strip()
-            if not line or line.startswith(_NOISE):
-                continue
-            line = _APPEND_HINT.sub("", line).strip()  # `+key=value` would now be refused too
-            if line and line not in seen:
-                seen.append(line)
-        err = err.__cause__
-    message = (" ".join(seen) or type(exc).__name__) + _did_you_mean(exc)
-    if _is_parse_error(exc) and "LexerNoViableAltException" in message:  # characters Hydra's grammar refuses
-        message = message.replace("LexerNoViableAltException: ", "cannot parse ").split(" See https://")[0]
-        message = message.removesuffix(" ^") + _QUOTING_HINT
-    return message
-
-
-def _did_you_mean(exc: BaseException | None) -> str:
-    """For a misspelt key of a typed node (OmegaConf names the node's dataclass): the nearest field."""
-    import dataclasses
-    import difflib
-
-    while exc is not None:
-        schema, key = getattr(exc, "object_type", None), getattr(exc, "key", None)
-        if dataclasses.is_dataclass(schema) and isinstance(key, str):
-            near = difflib.get_close_matches(key, [f.name for f in dataclasses.fields(schema)], n=1)
-            if near:
-                full = str(getattr(exc, "full_key", None) or key)
-                return f"; did you mean {full[: len(full) - len(key)]}{near[0]}?"
-        exc = exc.__cause__
-    return ""
-
-
-def _is_parse_error(exc: BaseException | None) -> bool:
-    while exc is not None:
-        if type(exc).__name__ == "OverrideParseException":
-            return True
-        exc = exc.__cause__
-    return False
-
-
-# lines of Hydra/OmegaConf messages that name no problem (the search path lists every provider)
-_NOISE = ("full_key:", "object_type=", "reference_type=", "Set the environment", "Config search path",
-          "provider=")
-_QUOTING_HINT = (" (quote a value that has spaces, non-ASCII or special characters inside the shell's quotes:"
-                 " 'prompt=\"...\"'; a prompt can also come from prompt_file=PATH)")
-_APPEND_HINT = re.compile(r"\s*To append to your config use \+\S+")

@@ -20,10 +20,10 @@ from typing import Any
 import pluggy
 
 from specfit import __version__
-from specfit.config import PLUGIN_BASES, store_schemas
 from specfit.errors import ConfigError, PluginError, SpecfitError
 from specfit.interfaces import hookspecs
-from specfit.interfaces.protocols import KINDS
+from specfit.interfaces.configs import CONSUMED_ELSEWHERE, PLUGIN_BASES
+from specfit.interfaces.protocols import KINDS, contract
 
 ENTRY_POINT_GROUP = "specfit"
 
@@ -65,41 +65,67 @@ class PluginEntry:
         }
 
 
-def _protocol_methods(protocol: type) -> list[str]:
-    return sorted(n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_"))
-
-
-def _protocol_attributes(protocol: type) -> list[str]:
-    return sorted(n for n in getattr(protocol, "__annotations__", {}) if not n.startswith("_") and n != "name")
-
-
 def check_plugin_instance(kind: str, obj: Any) -> None:
-    """Objects handed to the engine directly get the same check, attributes included."""
-    missing = [m for m in _protocol_methods(KINDS[kind]) + _protocol_attributes(KINDS[kind]) if not hasattr(obj, m)]
-    if missing or not isinstance(getattr(obj, "name", None), str):
-        missing = missing or ["name"]
-        raise PluginError(f"{kind} {type(obj).__qualname__} lacks {', '.join(missing)}")
+    """A plug-in object, before it is bound: every member of its kind's Protocol, attributes included."""
+    name = getattr(obj, "name", None)
+    missing = [m for m in contract(kind).members if not hasattr(obj, m)]
+    if not isinstance(name, str):
+        missing.insert(0, "name")
+    abstract = sorted(getattr(type(obj), "__abstractmethods__", ()))
+    if missing or abstract:
+        label = f"'{name}' ({type(obj).__qualname__})" if isinstance(name, str) else type(obj).__qualname__
+        raise PluginError(f"{kind} {label} lacks {', '.join(missing + abstract)} "
+                          f"(see specfit.interfaces.{KINDS[kind].__name__})")
 
 
 def check_plugin_class(kind: str, cls: Any) -> None:
-    """Reject a class that does not fulfil its kind's contract, naming what is missing."""
+    """Reject a class that does not fulfil its kind's contract, naming what is missing.
+
+    Methods and class attributes of the kind's Protocol are checked here; attributes a plug-in may
+    set in ``__init__`` (a drafter's ``depth``) are checked on the object the registry builds.
+    """
     if not inspect.isclass(cls):
         raise PluginError(f"{kind} plugin must be registered as a class, got {cls!r}")
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name.isidentifier():
         raise PluginError(f"{kind} plugin {cls.__qualname__} needs a class attribute `name` (an identifier)")
-    missing = [m for m in _protocol_methods(KINDS[kind]) if not hasattr(cls, m)]
+    missing = sorted({m for m in contract(kind).on_class if not hasattr(cls, m)}
+                     | set(getattr(cls, "__abstractmethods__", ())))
     if missing:
-        raise PluginError(f"{kind} plugin '{name}' ({cls.__qualname__}) lacks {', '.join(missing)}")
+        raise PluginError(f"{kind} plugin '{name}' ({cls.__qualname__}) lacks {', '.join(missing)} "
+                          f"(see specfit.interfaces.{KINDS[kind].__name__})")
     config = getattr(cls, "Config", None)
     base = PLUGIN_BASES[kind]
     if not (inspect.isclass(config) and dataclasses.is_dataclass(config) and issubclass(config, base)):
         raise PluginError(
-            f"{kind} plugin '{name}' needs `Config`, a dataclass subclassing specfit.config.{base.__name__}"
+            f"{kind} plugin '{name}' needs `Config`, a dataclass subclassing specfit.interfaces.{base.__name__}"
         )
     default = {f.name: f.default for f in dataclasses.fields(config)}.get("name")
     if default != name:
         raise PluginError(f"{kind} plugin '{name}': its Config's `name` default is {default!r}, expected {name!r}")
+    constructor_arguments(kind, cls, [f.name for f in dataclasses.fields(config)])
+
+
+def constructor_arguments(kind: str, cls: type, fields: list[str]) -> list[str]:
+    """The config fields the registry passes to ``cls(...)``: all of them, except ``name`` (the
+    registry's) and those :data:`~specfit.interfaces.CONSUMED_ELSEWHERE` reads. A field the
+    constructor does not take is an error, not a key silently ignored. A class with ``from_config``
+    receives the whole config instead (and nothing is checked here)."""
+    if getattr(cls, "from_config", None) is not None:
+        return []
+    passed = [f for f in fields if f != "name" and f not in CONSUMED_ELSEWHERE[kind]]
+    params = inspect.signature(cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return passed
+    unknown = [f for f in passed if f not in params]
+    if unknown:
+        raise PluginError(
+            f"{kind} plugin '{cls.name}': config field{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(f'{kind}.{f}' for f in unknown)} of {cls.Config.__qualname__} "
+            f"{'are not parameters' if len(unknown) > 1 else 'is not a parameter'} of {cls.__qualname__}() "
+            f"(a misspelt parameter? a key must reach the plugin; or define from_config(cfg))"
+        )
+    return passed + (["name"] if "name" in params else [])
 
 
 class Registry:
@@ -129,7 +155,8 @@ class Registry:
     def create(self, cfg: Any) -> Any:
         """Build the plugin named by ``cfg.name`` from its config (a DictConfig or dataclass).
 
-        A bad value raises :class:`ConfigError` naming the key (the config's ``__post_init__`` or the
+        Every field reaches the plugin (see :func:`constructor_arguments`), and the object is checked
+        against its kind's contract before anyone binds it. A bad value raises :class:`ConfigError` naming the key (the config's ``__post_init__`` or the
         plugin's constructor); a plugin that cannot be built from its own config, a PluginError.
         """
         from omegaconf import DictConfig, OmegaConf
@@ -142,9 +169,7 @@ class Registry:
             except ValueError as exc:  # a third-party Config's own check
                 raise ConfigError(f"{self.kind}: {_one_line(exc)}") from exc
             except Exception as exc:  # an omegaconf error: a missing or mistyped value
-                from specfit.config import one_line_config_error
-
-                raise ConfigError(f"{self.kind}: {one_line_config_error(exc)}") from exc
+                raise ConfigError(f"{self.kind}: {_one_line(exc)}") from exc
         name = getattr(cfg, "name", None)
         if not isinstance(name, str):
             raise PluginError(f"a {self.kind} config needs a `name` (a registered {self.kind}), "
@@ -156,18 +181,20 @@ class Registry:
                 f"select the plugin with {self.kind}={cfg.name}"
             )
         from_config = getattr(entry.cls, "from_config", None)
+        passed = constructor_arguments(self.kind, entry.cls, [f.name for f in dataclasses.fields(cfg)])
         try:
             if from_config is not None:
-                return from_config(cfg)
-            fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-            params = inspect.signature(entry.cls).parameters
-            return entry.cls(**{k: v for k, v in fields.items() if k in params})
+                part = from_config(cfg)
+            else:
+                part = entry.cls(**{k: getattr(cfg, k) for k in passed})
         except SpecfitError:
             raise
         except ValueError as exc:
             raise ConfigError(f"{self.kind} '{entry.name}': {_one_line(exc)}") from exc
         except TypeError as exc:
             raise PluginError(f"{self.kind} '{entry.name}' cannot be built from its config: {_one_line(exc)}") from exc
+        check_plugin_instance(self.kind, part)
+        return part
 
 
 def _one_line(exc: BaseException) -> str:
@@ -241,12 +268,9 @@ class Plugins:
         except Exception as exc:
             raise PluginError(f"plugin '{impl.plugin_name}' failed in {impl.function.__name__}: {type(exc).__name__}: {exc}") from exc
 
-    def store_configs(self) -> None:
-        """Make every registered plugin a Hydra option of its group, plus extra config nodes."""
-        from hydra.core.config_store import ConfigStore
-
-        cs = ConfigStore.instance()
-        store_schemas(cs)
+    def store_configs(self, cs: Any) -> None:
+        """Make every registered plugin a Hydra option of its group, plus plugins' extra config nodes
+        (:func:`specfit.config.store_configs` adds the main schema)."""
         for entry in self.entries():
             cs.store(group=entry.kind, name=entry.name, node=entry.cls.Config)
         for impl in self._impls("register_configs"):
@@ -272,12 +296,13 @@ _PLUGINS: Plugins | None = None
 
 
 def get_plugins() -> Plugins:
-    """The process-wide plugin set, loaded on first use (idempotent: multirun jobs share it)."""
+    """The process-wide plugin set, loaded on first use (idempotent: multirun jobs share it).
+
+    Hydra learns of their configs from :func:`specfit.config.store_configs`."""
     global _PLUGINS
     if _PLUGINS is None:
         plugins = Plugins()
         plugins.load()
-        plugins.store_configs()
         _PLUGINS = plugins
     return _PLUGINS
 

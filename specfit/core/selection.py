@@ -13,11 +13,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specfit.config import SelectorConfig
 from specfit.core.search import SearchProblem, evaluate
 from specfit.core.tree import DraftTree, greedy_outcomes
 from specfit.errors import ConfigError
-from specfit.interfaces import Selection, SelectionContext
+from specfit.interfaces import Selection, SelectionContext, SelectorBase, SelectorConfig
 
 
 class CalibratedAcceptance:
@@ -116,7 +115,7 @@ class CostAwareConfig(SelectorConfig):
     gate_max_backoff: int = 32
 
 
-class CostAwareSelector:
+class CostAwareSelector(SelectorBase):
     """Picks the subtree that maximises predicted throughput N/T by ``choose``, after each level."""
 
     name = "cost_aware"

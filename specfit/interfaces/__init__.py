@@ -1,9 +1,44 @@
-"""Contracts between specfit's decode loop and its pluggable parts."""
+"""Everything a plug-in package needs, in one place (as an ``llm`` plug-in imports from ``llm``).
 
+- the contracts, one Protocol per kind: :class:`Drafter`, :class:`Selector`, :class:`CostModel`,
+  :class:`ExpertCache`, :class:`ExpertPredictor`;
+- their base classes, with the optional hooks as documented no-ops: :class:`DrafterBase`, ...;
+- the base config of each kind (:class:`DrafterConfig`, :class:`SelectorConfig`,
+  :class:`CostModelConfig`, :class:`CacheConfig`, :class:`PredictorConfig`);
+- what the hooks exchange: :class:`DraftTree`, :class:`Selection`, :class:`SelectionContext`
+  (and :data:`ACCEPTED_KEY`, a key of its ``extra``), :class:`Admission`;
+- the ``hookimpl`` marker;
+- imported on first use (they pull in torch or the search's compiled code): ``CostConstants``,
+  ``SearchProblem``, ``MoESpec`` and ``resolve_capacity``.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+from specfit.core.tree import ROOT, DraftTree
+from specfit.interfaces.bases import (
+    CostModelBase,
+    DrafterBase,
+    ExpertCacheBase,
+    ExpertPredictorBase,
+    SelectorBase,
+)
+from specfit.interfaces.configs import (
+    CONSUMED_ELSEWHERE,
+    PLUGIN_BASES,
+    CacheConfig,
+    CostModelConfig,
+    DrafterConfig,
+    LinkConfig,
+    PluginConfig,
+    PredictorConfig,
+    SelectorConfig,
+)
 from specfit.interfaces.hookspecs import hookimpl, hookspec
 from specfit.interfaces.protocols import (
+    ACCEPTED_KEY,
     KINDS,
     Admission,
+    Contract,
     CostModel,
     Drafter,
     ExpertCache,
@@ -11,18 +46,64 @@ from specfit.interfaces.protocols import (
     Selection,
     SelectionContext,
     Selector,
+    contract,
 )
 
+if TYPE_CHECKING:
+    from specfit.core.calibration import CostConstants
+    from specfit.core.moe import MoESpec
+    from specfit.core.offload import resolve_capacity
+    from specfit.core.search import SearchProblem
+
 __all__ = [
+    "ACCEPTED_KEY",
+    "CONSUMED_ELSEWHERE",
     "KINDS",
+    "PLUGIN_BASES",
+    "ROOT",
     "Admission",
+    "CacheConfig",
+    "Contract",
+    "CostConstants",
     "CostModel",
+    "CostModelBase",
+    "CostModelConfig",
+    "DraftTree",
     "Drafter",
+    "DrafterBase",
+    "DrafterConfig",
     "ExpertCache",
+    "ExpertCacheBase",
     "ExpertPredictor",
+    "ExpertPredictorBase",
+    "LinkConfig",
+    "MoESpec",
+    "PluginConfig",
+    "PredictorConfig",
+    "SearchProblem",
     "Selection",
     "SelectionContext",
     "Selector",
+    "SelectorBase",
+    "SelectorConfig",
+    "contract",
     "hookimpl",
     "hookspec",
+    "resolve_capacity",
 ]
+
+_LAZY = {
+    "CostConstants": "specfit.core.calibration",
+    "MoESpec": "specfit.core.moe",
+    "resolve_capacity": "specfit.core.offload",
+    "SearchProblem": "specfit.core.search",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The torch- or numba-heavy names, imported when a plug-in first asks for them."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'specfit.interfaces' has no attribute {name!r}")

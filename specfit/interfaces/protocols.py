@@ -1,8 +1,14 @@
 """The contracts of specfit's pluggable parts, one Protocol per kind.
 
-A plugin class provides ``name`` (its registry and config-group name) and ``Config`` (a dataclass
-that subclasses the kind's base config in :mod:`specfit.config`); the registry builds it from the
-config fields that its constructor accepts. Objects built in code are used as they are.
+Each Protocol lists every method and attribute the core (the engine, the trace replay, the
+calibration and ``specfit.build``) uses of that kind; the registry refuses a class that lacks one,
+naming it. The base classes in :mod:`specfit.interfaces.bases` implement the optional hooks as
+documented no-ops, so a plug-in that subclasses its kind's base writes only what it needs.
+
+A plugin class also provides ``name`` (its registry and config-group name) and ``Config`` (a
+dataclass subclassing its kind's base config in :mod:`specfit.interfaces.configs`); the registry
+passes every field of the config to its constructor. Objects built in code are used as they are,
+after the same member check.
 
 Lifecycle: the engine calls ``bind`` once with the target's shape before the first generation,
 then the per-cycle methods. All of this runs on the host; tensors stay on the device.
@@ -15,11 +21,19 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Protocol, Sequence, r
 
 import numpy as np
 
+from specfit.core.tree import DraftTree
+
 if TYPE_CHECKING:
     import torch
 
+    from specfit.core.calibration import CostConstants
     from specfit.core.moe import MoESpec
-    from specfit.core.tree import DraftTree
+    from specfit.core.search import SearchProblem
+
+
+# SelectionContext.extra key under which a trace replay hands selectors the nodes the target will
+# accept (tree node indices, root excluded): only the oracle selector reads it.
+ACCEPTED_KEY = "trace_accepted"
 
 
 # --------------------------------------------------------------------------- expert caches
@@ -45,6 +59,7 @@ class ExpertCache(Protocol):
     a layer asks ``admit`` repeatedly with the experts it still has to compute until all are done,
     so a policy may admit fewer experts than asked (when the union exceeds its slots) but at
     least one, and must never evict an expert it admitted in the same round.
+    Optional (defaults in ``ExpertCacheBase``): ``preload``, ``begin_pass``.
     """
 
     name: ClassVar[str]
@@ -73,7 +88,9 @@ class Drafter(Protocol):
     """Proposes a draft tree after the last committed token, one level per step.
 
     ``depth`` bounds the tree's levels; ``total_tokens`` bounds the nodes a cycle may verify (EAGLE's
-    reranking keeps the ``total_tokens`` nodes of highest path probability).
+    reranking keeps the ``total_tokens`` nodes of highest path probability). Both are read every
+    cycle (instance attributes, ints >= 0). Optional (defaults in ``DrafterBase``): ``bind``,
+    ``feature_layers`` (none), ``start``, ``commit``.
     """
 
     name: ClassVar[str]
@@ -91,11 +108,15 @@ class Drafter(Protocol):
         generated token (the root of the first draft tree)."""
 
     def draft(self, tree: DraftTree) -> Iterator[range]:
-        """Grow ``tree`` one level per iteration, yielding each new level's node range."""
+        """Grow ``tree`` one level per iteration (``tree.add_level``), yielding each new level's node
+        range; the engine may stop after any level (closing the generator)."""
 
     def commit(self, tokens: Sequence[int], features: torch.Tensor | None, next_token: int) -> None:
         """The target verified and kept ``tokens`` (the root, then the accepted path; ``features``
         are the target's at their positions) and produced ``next_token``, the next root."""
+
+
+# --------------------------------------------------------------------------- selection
 
 
 @dataclass
@@ -104,9 +125,11 @@ class SelectionContext:
 
     resident: np.ndarray  # bool [layers, experts], cache residency when verification starts
     draft_seconds: float  # time this cycle has already spent (drafting and selecting)
-    max_depth: int  # the drafter's depth limit
+    max_depth: int  # the drafter's depth limit (lower near the context limit)
     max_nodes: int  # the drafter's limit on verified nodes (EAGLE's total_tokens)
     cost_model: CostModel | None = None
+    # what a particular run adds: a trace replay puts the path the target will accept under
+    # ACCEPTED_KEY; a live run leaves it empty
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -121,51 +144,97 @@ class Selection:
 
 @runtime_checkable
 class Selector(Protocol):
-    """Chooses the subtree to verify; called after every draft level.
+    """Chooses the subtree to verify; ``select`` is called after every draft level.
 
-    Optional: ``should_draft() -> bool``, asked before each cycle drafts; False skips drafting and
-    verifies the root alone (a plain autoregressive step), e.g. while speculation does not pay.
-    Optional: ``observe_time(drafted, committed, seconds)`` after each cycle, with its wall time
-    (in a trace replay, the seconds the cost model charged).
+    Optional (defaults in ``SelectorBase``): ``requires`` (none), ``bind``, ``should_draft``
+    (always), ``observe``, ``observe_time``.
     """
 
     name: ClassVar[str]
+    # the other parts this selector needs configured, among "cost_model" and "predictor"; the engine
+    # and the replay refuse to run without them
+    requires: ClassVar[Sequence[str]]
 
-    def bind(self, spec: MoESpec) -> None: ...
+    def bind(self, spec: MoESpec) -> None:
+        """Prepare for a model (``spec``: layers, experts, top-k)."""
 
-    def select(self, tree: DraftTree, ctx: SelectionContext) -> Selection: ...
+    def should_draft(self) -> bool:
+        """Asked before each cycle drafts; False verifies the root alone (a plain autoregressive
+        step), e.g. while speculation does not pay. Must return a bool."""
+
+    def select(self, tree: DraftTree, ctx: SelectionContext) -> Selection:
+        """The nodes to verify so far, and whether to stop drafting."""
 
     def observe(self, tree: DraftTree, verified: Sequence[int], accepted: Sequence[int]) -> None:
         """After verification: the nodes verified and those accepted (for learned acceptance)."""
 
+    def observe_time(self, drafted: bool, committed: int, seconds: float) -> None:
+        """After each cycle: whether it drafted, the tokens it committed and its seconds (measured
+        live; in a trace replay, the seconds the cost model charged)."""
+
+
+# --------------------------------------------------------------------------- cost models
+
 
 @runtime_checkable
 class CostModel(Protocol):
-    """Predicts the seconds of a cycle that verifies a given subtree."""
+    """Predicts the seconds of a cycle: constants (:class:`specfit.core.calibration.CostConstants`)
+    measured by ``specfit calibrate`` and a selection problem built from them.
+
+    ``specfit.build`` loads or measures the constants of an uncalibrated model (``calibrated`` false)
+    from ``calibration`` (``"auto"``: the stored calibration of this setup) and hands them to
+    ``set_constants``; the trace replay charges each cycle ``constants.cycle_seconds(...)``; the
+    cost-aware selectors call ``problem``. Optional (defaults in ``CostModelBase``): all but
+    ``problem``, which the default refuses with a message naming the model.
+    """
 
     name: ClassVar[str]
+    calibration: str | None  # "auto" | a calibration file | None (the constants come from elsewhere)
 
-    def bind(self, spec: MoESpec) -> None: ...
+    def bind(self, spec: MoESpec) -> None:
+        """Prepare for a model (``spec``: layers, experts, top-k)."""
 
-    def predict(self, tree: DraftTree, nodes: Sequence[int], resident: np.ndarray, draft_seconds: float) -> float: ...
+    @property
+    def calibrated(self) -> bool:
+        """The constants are known (set, loaded or given in the config)."""
+
+    @property
+    def constants(self) -> CostConstants:
+        """The constants in use; raises :class:`specfit.errors.ConfigError` while uncalibrated."""
+
+    def set_constants(self, constants: CostConstants) -> None:
+        """Use ``constants`` from now on (measured, or loaded from a calibration file)."""
+
+    def problem(self, tree: DraftTree, accept: np.ndarray, resident: np.ndarray,
+                draft_seconds: float) -> SearchProblem:
+        """The selection instance of ``tree``: ``accept`` holds each node's acceptance estimate,
+        ``resident`` the cache's residency, ``draft_seconds`` the time already spent (D)."""
 
     def observe(self, record: Any) -> None:
         """A measured cycle (:class:`specfit.core.stats.CycleRecord`), for online calibration."""
 
 
+# --------------------------------------------------------------------------- expert predictors
+
+
 @runtime_checkable
 class ExpertPredictor(Protocol):
-    """Predicts, before verification, the experts each draft node will activate in each layer."""
+    """Predicts, before verification, the experts each draft node will activate in each layer.
+
+    Optional (defaults in ``ExpertPredictorBase``): ``bind``, ``observe``.
+    """
 
     name: ClassVar[str]
 
-    def bind(self, target: Any) -> None: ...
+    def bind(self, target: Any) -> None:
+        """Attach to the target (:class:`specfit.core.target.Target`; ``target.runtime.spec``)."""
 
     def predict(self, tree: DraftTree, nodes: range) -> None:
-        """Fill ``tree.experts`` for ``nodes`` (resizing it as needed)."""
+        """Fill ``tree.experts`` for ``nodes`` (``tree.expert_rows(layers, top_k)`` resizes it) and,
+        on the first call of a cycle, ``tree.root_experts``."""
 
     def observe(self, tokens: Sequence[int], routing: np.ndarray) -> None:
-        """Actual routing of verified tokens: int [tokens, layers, top_k]."""
+        """Actual routing of the prompt (after prefill) and of verified tokens: int [tokens, layers, top_k]."""
 
 
 KINDS: dict[str, type] = {
@@ -175,3 +244,33 @@ KINDS: dict[str, type] = {
     "cache": ExpertCache,
     "predictor": ExpertPredictor,
 }
+
+
+@dataclass(frozen=True)
+class Contract:
+    """The members of a kind's Protocol, split by when they can be checked.
+
+    ``on_class``: methods and class attributes, checked when a class registers; ``on_instance``:
+    attributes and properties, which a plug-in may as well set in ``__init__`` (a drafter's
+    ``depth``), checked on the built object before it is bound.
+    """
+
+    on_class: tuple[str, ...]
+    on_instance: tuple[str, ...]
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return tuple(sorted(self.on_class + self.on_instance))
+
+
+def contract(kind: str) -> Contract:
+    """What the core uses of a ``kind`` plug-in, read from its Protocol (``name`` excluded)."""
+    protocol = KINDS[kind]
+    on_class = {n for n, v in vars(protocol).items() if not n.startswith("_") and callable(v)}
+    on_instance = {n for n, v in vars(protocol).items() if not n.startswith("_") and isinstance(v, property)}
+    annotations = vars(protocol).get("__annotations__", {})
+    for member, annotation in annotations.items():
+        if member.startswith("_") or member == "name":
+            continue
+        (on_class if str(annotation).startswith("ClassVar") else on_instance).add(member)
+    return Contract(tuple(sorted(on_class)), tuple(sorted(on_instance)))

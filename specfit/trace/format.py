@@ -51,15 +51,13 @@ import numpy as np
 
 from specfit.errors import ConfigError
 from specfit.files import check_writable, remove_stale_temporaries, write_atomic
+from specfit.interfaces.protocols import ACCEPTED_KEY  # noqa: F401 - defined with SelectionContext; replay imports it here
 
 FORMAT = "specfit-trace"
 VERSION = 1
 META_FILE = "meta.json"
 PARTIAL_FILE = "partial.json"  # present while a recording runs (or was interrupted); meta.json replaces it
 
-# SelectionContext.extra key under which a replay hands selectors the nodes the target will accept
-# (tree node indices, root first excluded): only the oracle selector reads it.
-ACCEPTED_KEY = "trace_accepted"
 
 _ARRAYS = ("prompt", "output", "prefill_routing", "node_offsets", "node_token", "node_parent", "node_depth",
            "node_log_prob", "verified_offsets", "verified_node", "verified_argmax", "verified_routing", "root_argmax",

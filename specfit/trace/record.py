@@ -1,6 +1,6 @@
 """Recording a trace: decode greedily, verifying at every position every node a selector could choose.
 
-The engine runs with ``accept_limit = 0``, so each cycle commits exactly one token and every
+The engine decodes with ``accept_limit=0``, so each cycle commits exactly one token and every
 position of the greedy output is the root of a recorded tree. The recording selector never stops
 drafting and verifies the union over draft levels d of the ``total_tokens`` nodes of highest path
 probability among nodes of depth <= d: the candidate sets that the built-in selectors choose
@@ -19,11 +19,11 @@ import numpy as np
 
 from specfit.core.tree import DraftTree
 from specfit.errors import ConfigError
-from specfit.interfaces import Selection, SelectionContext
+from specfit.interfaces import Selection, SelectionContext, SelectorBase
 from specfit.trace.format import Trace, TraceMeta, TraceSequence, expert_dtype, spec_to_json
 
 
-class CandidateUnionSelector:
+class CandidateUnionSelector(SelectorBase):
     """Verifies, once the drafter has finished, every node that was a candidate after some level.
 
     Not registered as a plugin: it only serves recording (it never stops early and ignores cost).
@@ -68,7 +68,7 @@ class _SequenceBuilder:
     def add(self, trace: Any) -> None:
         tree, block = trace.tree, trace.block
         if trace.accepted:
-            raise RuntimeError("trace recording needs engine.accept_limit = 0 (one committed token per cycle)")
+            raise RuntimeError("trace recording needs generate(accept_limit=0) (one committed token per cycle)")
         routing = np.asarray(trace.routing)
         self.roots.append(int(block.tokens[0]))
         self.trees.append((
@@ -121,7 +121,7 @@ class _SequenceBuilder:
 
 
 class TraceRecorder:
-    """An engine observer (``Engine.observers``) that turns each cycle into trace data."""
+    """A cycle observer (``Engine.generate(observers=...)``) that turns each cycle into trace data."""
 
     def __init__(self, num_experts: int) -> None:
         self.dtype = expert_dtype(num_experts)
@@ -141,9 +141,10 @@ def record(engine: Any, prompts: Sequence[str | Sequence[int]], max_new_tokens: 
            on_sequence: Callable[[int, TraceSequence], None] | None = None) -> Trace:
     """Decode ``prompts`` greedily with ``engine``'s drafter and return the trace of every position.
 
-    The engine's selector, predictor, observers and accept limit are swapped for the recording and
-    restored afterwards. The predictor is switched off so the level timings measure drafting alone
-    (a replay adds the time of the predictor it runs). Greedy decoding only: under sampling the
+    The engine decodes with the recording's selector, a :class:`TraceRecorder` observer and an
+    accept limit of 0, all passed to ``generate`` (the engine itself is not changed), and without
+    its predictor, so the level timings measure drafting alone (a replay adds the time of the
+    predictor it runs). Greedy decoding only: under sampling the
     committed sequence depends on the cycle boundaries, so no trace could be exact.
 
     ``done`` holds the sequences of the first prompts, recorded before (a resumed recording: a
@@ -157,21 +158,16 @@ def record(engine: Any, prompts: Sequence[str | Sequence[int]], max_new_tokens: 
     recorder = TraceRecorder(spec.num_experts)
     selector = CandidateUnionSelector()
     selector.bind(spec)
-    saved = (engine.selector, engine.predictor, list(engine.observers), engine.accept_limit)
-    engine.selector, engine.predictor, engine.accept_limit = selector, None, 0
-    engine.observers = [*engine.observers, recorder]
     if len(done) > len(prompts):
         raise ConfigError(f"a resumed recording holds {len(done)} sequences but there are only {len(prompts)} prompts")
     sequences = list(done)
-    try:
-        for i in range(len(done), len(prompts)):
-            out = engine.generate(prompts[i], max_new_tokens=max_new_tokens)
-            sequences.append(recorder.current.finish(out.token_ids, spec.num_layers, spec.top_k))
-            recorder.current = None
-            if on_sequence is not None:
-                on_sequence(i, sequences[-1])
-    finally:
-        engine.selector, engine.predictor, engine.observers, engine.accept_limit = saved
+    for i in range(len(done), len(prompts)):
+        out = engine.generate(prompts[i], max_new_tokens=max_new_tokens, selector=selector, predict=False,
+                              observers=[recorder], accept_limit=0)
+        sequences.append(recorder.current.finish(out.token_ids, spec.num_layers, spec.top_k))
+        recorder.current = None
+        if on_sequence is not None:
+            on_sequence(i, sequences[-1])
     constants, calibration = _calibration(engine)
     meta = TraceMeta(
         spec=spec_to_json(spec),

@@ -585,7 +585,7 @@ def train_drafter(cfg: TrainDrafterConfig) -> Path:
     draft_ids = _draft_ids(head, model)
 
     stop = min(cfg.max_steps, cfg.stop_after_steps) if cfg.stop_after_steps is not None else cfg.max_steps
-    bar = progress_bar(cfg.max_steps, initial=step, desc="train-drafter",
+    bar = progress_bar(cfg.max_steps, initial=step, desc="train-drafter", every=cfg.log_every,
                        disable=None if cfg.progress is None else not cfg.progress)
     tokens_per_batch = cfg.batch_size * cfg.seq_len
     t_start = time.perf_counter()
@@ -720,14 +720,14 @@ def acceptance_length(target_dir: str | os.PathLike[str], head_dir: str | os.Pat
     from specfit.core.engine import Engine
     from specfit.core.loading import load_checkpoint, load_tokenizer
     from specfit.plugins.drafters.eagle3.drafter import Eagle3Drafter
-    from specfit.plugins.selectors.eagle3 import VerifyAllSelector
+    from specfit.plugins.selectors.eagle3 import TopByPathProbSelector
 
     _set_threads(threads)
     model = load_checkpoint(str(target_dir), dtype)
     tokenizer = load_tokenizer(str(tokenizer_dir or target_dir))
     drafter = Eagle3Drafter(path=str(head_dir) if head_dir is not None else None, top_k=top_k, depth=depth,
                             total_tokens=total_tokens, seed=seed)
-    engine = Engine(model, tokenizer=tokenizer, drafter=drafter, selector=VerifyAllSelector(), device=device,
+    engine = Engine(model, tokenizer=tokenizer, drafter=drafter, selector=TopByPathProbSelector(), device=device,
                     ignore_eos=ignore_eos)
     per_prompt, accepted, cycles, tokens = [], 0, 0, 0
     with torch.inference_mode():

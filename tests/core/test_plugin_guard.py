@@ -25,7 +25,7 @@ from specfit.interfaces import Admission, Selection
 from specfit.plugins.caches.lru import LRUCache
 from specfit.plugins.cost_models.union import UnionCostModel
 from specfit.plugins.predictors.history import HistoryPredictor
-from specfit.plugins.selectors.eagle3 import VerifyAllSelector
+from specfit.plugins.selectors.eagle3 import TopByPathProbSelector
 from specfit.trace.record import record
 from specfit.trace.replay import replay
 
@@ -41,7 +41,7 @@ class Boom(Exception):
 # --------------------------------------------------------------------------- misbehaving plug-ins
 
 
-class BadSelector(VerifyAllSelector):
+class BadSelector(TopByPathProbSelector):
     """Verifies everything, except in the one hook ``mode`` breaks."""
 
     name = "badsel"
@@ -403,7 +403,7 @@ REPLAY_CASES = {
 @pytest.mark.parametrize("case", list(REPLAY_CASES))
 def test_the_replay_guards_plugins_the_same_way(trace, case):
     parts, kind, name, hook, fragment, cause = REPLAY_CASES[case]
-    kwargs = dict(selector=VerifyAllSelector(), cache=LRUCache(capacity=4), cost_model=UnionCostModel(constants=CONSTANTS),
+    kwargs = dict(selector=TopByPathProbSelector(), cache=LRUCache(capacity=4), cost_model=UnionCostModel(constants=CONSTANTS),
                   predictor=None) | parts
     with pytest.raises(PluginError) as info:
         replay(trace, kwargs["selector"], kwargs["cache"], kwargs["cost_model"], kwargs["predictor"], model=tiny_model())

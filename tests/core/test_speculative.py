@@ -317,11 +317,11 @@ def test_sampling_is_lossless_for_every_selector_and_cache(selector, cache):
     from specfit.core.sampling import SamplingParams
     from specfit.plugins.cost_models.union import UnionCostModel
     from specfit.plugins.predictors.history import HistoryPredictor
-    from specfit.plugins.selectors.eagle3 import VerifyAllSelector
+    from specfit.plugins.selectors.eagle3 import TopByPathProbSelector
     from specfit.plugins.selectors.specfit import SpecFitSelector
 
     ref = reference("tiny-qwen3-moe")
-    parts = {"eagle3": dict(selector=VerifyAllSelector()), "chain": dict(selector=ChainSelector()),
+    parts = {"eagle3": dict(selector=TopByPathProbSelector()), "chain": dict(selector=ChainSelector()),
              "specfit": dict(selector=SpecFitSelector(), predictor=HistoryPredictor(),
                              cost_model=UnionCostModel(constants=CostConstants(1e-3, 1e-5, 1e-5, 1e-6)))}[selector]
     engines = {"ar": Engine(tiny_model(), cache=CACHES[cache](), device="cpu"),

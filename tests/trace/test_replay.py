@@ -18,7 +18,7 @@ from specfit import Engine
 from specfit.api import calibrate
 from specfit.core.calibration import CostConstants
 from specfit.errors import ConfigError
-from specfit.interfaces import Selection
+from specfit.interfaces import Selection, SelectorBase
 from specfit.plugins.caches.full import FullCache
 from specfit.plugins.caches.lru import LRUCache
 from specfit.plugins.caches.none import NoCache
@@ -26,7 +26,7 @@ from specfit.plugins.cost_models.union import UnionCostModel
 from specfit.plugins.drafters.eagle3.drafter import Eagle3Drafter
 from specfit.plugins.predictors.history import HistoryPredictor
 from specfit.plugins.predictors.oracle import OraclePredictor
-from specfit.plugins.selectors.eagle3 import VerifyAllSelector
+from specfit.plugins.selectors.eagle3 import TopByPathProbSelector
 from specfit.plugins.selectors.oracle import OracleSelector
 from specfit.plugins.selectors.specfit import SpecFitSelector
 from specfit.registry import get_plugins
@@ -79,7 +79,7 @@ def registered(name: str, **kwargs):
 
 
 SELECTORS = {
-    "eagle3": lambda: (VerifyAllSelector(), None),
+    "eagle3": lambda: (TopByPathProbSelector(), None),
     "chain": lambda: (registered("chain"), None),
     "none": lambda: (registered("none"), None),  # never drafts: autoregressive steps
     "specfit": lambda: (SpecFitSelector(draft_time="modelled"), HistoryPredictor()),  # with its draft gate
@@ -205,12 +205,12 @@ def test_oracles_refuse_live_runs(references):
 
 def test_replay_needs_cost_constants(traces):
     with pytest.raises(ConfigError, match="cost_model.calibration=FILE"):
-        replay(traces["scripted", "lru"], VerifyAllSelector(), LRUCache(capacity=4), UnionCostModel())
+        replay(traces["scripted", "lru"], TopByPathProbSelector(), LRUCache(capacity=4), UnionCostModel())
     with pytest.raises(ConfigError, match="cost_model=union"):
-        replay(traces["scripted", "lru"], VerifyAllSelector(), LRUCache(capacity=4), None)
+        replay(traces["scripted", "lru"], TopByPathProbSelector(), LRUCache(capacity=4), None)
 
 
-class EverythingSelector:
+class EverythingSelector(SelectorBase):
     """Verifies every drafted node: more than any recording verifies."""
 
     name = "everything"
@@ -231,7 +231,7 @@ def test_a_selection_outside_the_recorded_candidates_is_a_clear_error(traces):
 
 
 def test_recording_restores_the_engine(references):
-    selector, predictor = VerifyAllSelector(), HistoryPredictor()
+    selector, predictor = TopByPathProbSelector(), HistoryPredictor()
     engine = Engine(tiny_model(), drafter=scripted(references), selector=selector, predictor=predictor, device="cpu")
     record(engine, PROMPTS[:1], max_new_tokens=4)
     assert engine.selector is selector and engine.predictor is predictor

@@ -7,9 +7,8 @@ from typing import Sequence
 
 import numpy as np
 
-from specfit.config import CacheConfig
 from specfit.core.moe import MoESpec
-from specfit.interfaces import Admission
+from specfit.interfaces import Admission, CacheConfig, ExpertCacheBase
 
 
 @dataclass
@@ -17,11 +16,16 @@ class FullCacheConfig(CacheConfig):
     name: str = "full"
 
 
-class FullCache:
+class FullCache(ExpertCacheBase):
     """Loads all experts once before decoding (not counted as misses); every request is a hit."""
 
     name = "full"
     Config = FullCacheConfig
+
+    def __init__(self, capacity: int | None = None, capacity_bytes: int | None = None) -> None:
+        """``cache.capacity`` / ``capacity_bytes`` do not apply (every expert gets a slot); they are
+        accepted so that one setting can be swept over caches, as a capacity above the expert count
+        makes the other caches full too."""
 
     def bind(self, spec: MoESpec) -> int:
         self.spec = spec
@@ -29,9 +33,6 @@ class FullCache:
 
     def preload(self) -> list[tuple[int, int, int]]:
         return [(layer, e, e) for layer in range(self.spec.num_layers) for e in range(self.spec.num_experts)]
-
-    def begin_pass(self) -> None:
-        pass
 
     def admit(self, layer: int, wanted: Sequence[int]) -> Admission:
         return Admission({e: e for e in wanted}, [])

@@ -8,10 +8,9 @@ from typing import Sequence
 
 import numpy as np
 
-from specfit.config import CacheConfig
 from specfit.core.moe import MoESpec
 from specfit.core.offload import resolve_capacity
-from specfit.interfaces import Admission
+from specfit.interfaces import Admission, CacheConfig, ExpertCacheBase
 
 
 @dataclass
@@ -19,7 +18,7 @@ class LRUCacheConfig(CacheConfig):
     name: str = "lru"
 
 
-class LRUCache:
+class LRUCache(ExpertCacheBase):
     """Keeps ``capacity`` experts per layer; a miss evicts the layer's least recently used expert.
 
     Default capacity (neither capacity nor capacity_bytes set): a quarter of the experts, at least top-k.
@@ -39,12 +38,6 @@ class LRUCache:
         self._lru: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(spec.num_layers)]  # oldest first
         self._free = [list(range(self.capacity - 1, -1, -1)) for _ in range(spec.num_layers)]
         return self.capacity
-
-    def preload(self) -> list[tuple[int, int, int]]:
-        return []
-
-    def begin_pass(self) -> None:
-        pass
 
     def admit(self, layer: int, wanted: Sequence[int]) -> Admission:
         lru, free = self._lru[layer], self._free[layer]

@@ -7,10 +7,9 @@ from typing import Sequence
 
 import numpy as np
 
-from specfit.config import CacheConfig
 from specfit.core.moe import MoESpec
 from specfit.core.offload import resolve_capacity
-from specfit.interfaces import Admission
+from specfit.interfaces import Admission, CacheConfig, ExpertCacheBase
 
 
 @dataclass
@@ -18,7 +17,7 @@ class NoCacheConfig(CacheConfig):
     name: str = "none"
 
 
-class NoCache:
+class NoCache(ExpertCacheBase):
     """Scratch slots only (default: top-k per layer); a layer's union is streamed through them."""
 
     name = "none"
@@ -31,12 +30,6 @@ class NoCache:
         self.spec = spec
         self.capacity = resolve_capacity(spec, *self.requested, default=spec.top_k)
         return self.capacity
-
-    def preload(self) -> list[tuple[int, int, int]]:
-        return []
-
-    def begin_pass(self) -> None:
-        pass
 
     def admit(self, layer: int, wanted: Sequence[int]) -> Admission:
         # Within a pass each expert is admitted once, so scratch slots can be reused freely.

@@ -14,12 +14,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specfit.config import CostModelConfig
 from specfit.core.calibration import CostConstants, fit_constants
-from specfit.core.moe import MoESpec
 from specfit.core.search import SearchProblem, evaluate
-from specfit.core.tree import DraftTree
 from specfit.errors import ConfigError
+from specfit.interfaces import CostModelBase, CostModelConfig, DraftTree
 from specfit.validation import number
 
 
@@ -49,7 +47,7 @@ OVERRIDES = ("c0", "c_tok", "c_miss", "c_hit", "c_level", "c_draft0")
 REQUIRED = ("c0", "c_tok", "c_miss", "c_hit")
 
 
-class UnionCostModel:
+class UnionCostModel(CostModelBase):
     name = "union"
     Config = UnionCostConfig
 
@@ -73,9 +71,6 @@ class UnionCostModel:
     def from_config(cls, cfg: UnionCostConfig) -> UnionCostModel:
         return cls(cache_aware=cfg.cache_aware, calibration=cfg.calibration, online=cfg.online,
                    **{k: getattr(cfg, k) for k in OVERRIDES})
-
-    def bind(self, spec: MoESpec) -> None:
-        self.spec = spec
 
     # ------------------------------------------------------------------ constants
 

@@ -16,9 +16,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specfit.config import PredictorConfig
 from specfit.core.router_probe import RouterProbe
-from specfit.core.tree import ROOT, DraftTree
+from specfit.interfaces import ROOT, DraftTree, ExpertPredictorBase, PredictorConfig
 from specfit.validation import integer, number
 
 
@@ -56,7 +55,7 @@ class _Counts:
         counts[np.arange(self.shape[0])[:, None], routing] += 1.0
 
 
-class HistoryPredictor:
+class HistoryPredictor(ExpertPredictorBase):
     name = "history"
     Config = HistoryPredictorConfig
 

@@ -8,13 +8,11 @@ being replayed; a live target has none, so it refuses to bind there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
-import numpy as np
 
-from specfit.config import PredictorConfig
-from specfit.core.tree import DraftTree
 from specfit.errors import ConfigError
+from specfit.interfaces import DraftTree, ExpertPredictorBase, PredictorConfig
 
 
 @dataclass
@@ -22,7 +20,7 @@ class OraclePredictorConfig(PredictorConfig):
     name: str = "oracle"
 
 
-class OraclePredictor:
+class OraclePredictor(ExpertPredictorBase):
     name = "oracle"
     Config = OraclePredictorConfig
 
@@ -40,6 +38,3 @@ class OraclePredictor:
             tree.root_experts = self.routing.root()
         if len(nodes):
             rows[nodes.start : nodes.stop] = self.routing.nodes(nodes)
-
-    def observe(self, tokens: Sequence[int], routing: np.ndarray) -> None:
-        pass

@@ -4,23 +4,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
-import numpy as np
 
-from specfit.config import PredictorConfig
 from specfit.core.router_probe import RouterProbe
-from specfit.core.tree import DraftTree
+from specfit.interfaces import DraftTree, ExpertPredictorBase, PredictorConfig
 
 
 @dataclass
-class RouterProbeConfig(PredictorConfig):
+class RouterProbePredictorConfig(PredictorConfig):
     name: str = "router_probe"
 
 
-class RouterProbePredictor:
+class RouterProbePredictor(ExpertPredictorBase):
     name = "router_probe"
-    Config = RouterProbeConfig
+    Config = RouterProbePredictorConfig
 
     def bind(self, target: Any) -> None:
         spec = target.runtime.spec
@@ -33,6 +31,3 @@ class RouterProbePredictor:
             tree.root_experts = self.probe.experts([tree.root_token])[0]
         for v, experts in zip(nodes, self.probe.experts([tree.tokens[v] for v in nodes])):
             rows[v] = experts
-
-    def observe(self, tokens: Sequence[int], routing: np.ndarray) -> None:
-        pass

@@ -8,14 +8,14 @@ from specfit.interfaces import hookimpl
 @hookimpl
 def register_selectors(register):
     from specfit.plugins.selectors.chain import ChainSelector
-    from specfit.plugins.selectors.eagle3 import VerifyAllSelector
+    from specfit.plugins.selectors.eagle3 import TopByPathProbSelector
     from specfit.plugins.selectors.greedy import GreedySelector
     from specfit.plugins.selectors.none import NoDraftSelector
     from specfit.plugins.selectors.oracle import OracleSelector
     from specfit.plugins.selectors.prefix import PrefixSelector
     from specfit.plugins.selectors.specfit import SpecFitSelector
 
-    register(VerifyAllSelector)
+    register(TopByPathProbSelector)
     register(ChainSelector)
     register(SpecFitSelector)
     register(GreedySelector)

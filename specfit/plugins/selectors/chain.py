@@ -3,26 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from specfit.config import SelectorConfig
-from specfit.core.tree import ROOT, DraftTree
-from specfit.interfaces import Selection, SelectionContext
+from specfit.interfaces import ROOT, DraftTree, Selection, SelectionContext, SelectorBase, SelectorConfig
 
 
 @dataclass
-class ChainConfig(SelectorConfig):
+class ChainSelectorConfig(SelectorConfig):
     name: str = "chain"
 
 
-class ChainSelector:
+class ChainSelector(SelectorBase):
     """At each level, the child with the highest draft probability (ties to the earlier node)."""
 
     name = "chain"
-    Config = ChainConfig
-
-    def bind(self, spec: Any) -> None:
-        pass
+    Config = ChainSelectorConfig
 
     def select(self, tree: DraftTree, ctx: SelectionContext) -> Selection:
         path: list[int] = []
@@ -33,6 +27,3 @@ class ChainSelector:
                 return Selection(nodes=path)
             parent = max(kids, key=lambda v: (tree.log_probs[v], -v))
             path.append(parent)
-
-    def observe(self, tree: DraftTree, verified: Any, accepted: Any) -> None:
-        pass

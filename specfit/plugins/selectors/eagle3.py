@@ -1,32 +1,23 @@
-"""Vanilla EAGLE-3: verify every node the drafter kept after its reranking."""
+"""Vanilla EAGLE-3 (registered as ``eagle3``): verify the nodes EAGLE's reranking keeps."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from specfit.config import SelectorConfig
-from specfit.core.tree import DraftTree
-from specfit.interfaces import Selection, SelectionContext
+from specfit.interfaces import DraftTree, Selection, SelectionContext, SelectorBase, SelectorConfig
 
 
 @dataclass
-class VerifyAllConfig(SelectorConfig):
+class TopByPathProbSelectorConfig(SelectorConfig):
     name: str = "eagle3"
 
 
-class VerifyAllSelector:
+class TopByPathProbSelector(SelectorBase):
     """Ignores cost: verifies the ``total_tokens`` drafted nodes of highest path probability
-    (EAGLE's reranking) once the drafter has reached its depth."""
+    (EAGLE's reranking), re-chosen after every level until the drafter reaches its depth."""
 
     name = "eagle3"
-    Config = VerifyAllConfig
-
-    def bind(self, spec: Any) -> None:
-        pass
+    Config = TopByPathProbSelectorConfig
 
     def select(self, tree: DraftTree, ctx: SelectionContext) -> Selection:
         return Selection(nodes=tree.top_by_path_prob(ctx.max_nodes))
-
-    def observe(self, tree: DraftTree, verified: Any, accepted: Any) -> None:
-        pass

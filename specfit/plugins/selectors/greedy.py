@@ -16,13 +16,13 @@ from specfit.core.selection import CostAwareConfig, CostAwareSelector
 
 
 @dataclass
-class GreedyConfig(CostAwareConfig):
+class GreedySelectorConfig(CostAwareConfig):
     name: str = "greedy"
 
 
 class GreedySelector(CostAwareSelector):
     name = "greedy"
-    Config = GreedyConfig
+    Config = GreedySelectorConfig
 
     def choose(self, problem: SearchProblem, allowed: np.ndarray) -> np.ndarray:
         return greedy(problem, allowed)

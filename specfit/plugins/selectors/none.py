@@ -8,30 +8,21 @@ unused and each cycle commits the target's next token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from specfit.config import SelectorConfig
-from specfit.core.tree import DraftTree
-from specfit.interfaces import Selection, SelectionContext
+from specfit.interfaces import DraftTree, Selection, SelectionContext, SelectorBase, SelectorConfig
 
 
 @dataclass
-class NoDraftConfig(SelectorConfig):
+class NoDraftSelectorConfig(SelectorConfig):
     name: str = "none"
 
 
-class NoDraftSelector:
+class NoDraftSelector(SelectorBase):
     name = "none"
-    Config = NoDraftConfig
-
-    def bind(self, spec: Any) -> None:
-        pass
+    Config = NoDraftSelectorConfig
 
     def should_draft(self) -> bool:
         return False
 
     def select(self, tree: DraftTree, ctx: SelectionContext) -> Selection:
         return Selection(nodes=[], stop=True)
-
-    def observe(self, tree: DraftTree, verified: Any, accepted: Any) -> None:
-        pass

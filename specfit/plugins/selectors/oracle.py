@@ -10,13 +10,9 @@ selector is reported against. A live run has no future knowledge, so it refuses 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from specfit.config import SelectorConfig
-from specfit.core.tree import DraftTree
 from specfit.errors import ConfigError
-from specfit.interfaces import Selection, SelectionContext
-from specfit.trace.format import ACCEPTED_KEY
+from specfit.interfaces import ACCEPTED_KEY, DraftTree, Selection, SelectionContext, SelectorBase, SelectorConfig
 
 
 @dataclass
@@ -24,12 +20,9 @@ class OracleSelectorConfig(SelectorConfig):
     name: str = "oracle"
 
 
-class OracleSelector:
+class OracleSelector(SelectorBase):
     name = "oracle"
     Config = OracleSelectorConfig
-
-    def bind(self, spec: Any) -> None:
-        pass
 
     def select(self, tree: DraftTree, ctx: SelectionContext) -> Selection:
         path = ctx.extra.get(ACCEPTED_KEY)
@@ -38,6 +31,3 @@ class OracleSelector:
                               "replay knows: use it with `specfit replay trace.path=DIR selector=oracle`")
         drafted = [v for v in path if v < len(tree)]
         return Selection(nodes=drafted, stop=len(drafted) == len(path))
-
-    def observe(self, tree: DraftTree, verified: Any, accepted: Any) -> None:
-        pass

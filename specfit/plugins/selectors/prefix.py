@@ -17,13 +17,13 @@ from specfit.core.selection import CostAwareConfig, CostAwareSelector
 
 
 @dataclass
-class PrefixConfig(CostAwareConfig):
+class PrefixSelectorConfig(CostAwareConfig):
     name: str = "prefix"
 
 
 class PrefixSelector(CostAwareSelector):
     name = "prefix"
-    Config = PrefixConfig
+    Config = PrefixSelectorConfig
 
     def choose(self, problem: SearchProblem, allowed: np.ndarray) -> np.ndarray:
         candidates = np.flatnonzero(allowed)

@@ -18,13 +18,13 @@ from specfit.core.selection import CostAwareConfig, CostAwareSelector
 
 
 @dataclass
-class SpecFitConfig(CostAwareConfig):
+class SpecFitSelectorConfig(CostAwareConfig):
     name: str = "specfit"
 
 
 class SpecFitSelector(CostAwareSelector):
     name = "specfit"
-    Config = SpecFitConfig
+    Config = SpecFitSelectorConfig
 
     def choose(self, problem: SearchProblem, allowed: np.ndarray) -> np.ndarray:
         return solve(problem, allowed).mask

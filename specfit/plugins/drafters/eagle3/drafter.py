@@ -15,9 +15,8 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from specfit.config import DrafterConfig
-from specfit.core.tree import ROOT, DraftTree
 from specfit.errors import ConfigError, ModelError
+from specfit.interfaces import ROOT, DrafterBase, DrafterConfig, DraftTree
 from specfit.plugins.drafters.eagle3.checkpoint import check_head_fits, head_config_for, load_head, random_head
 from specfit.plugins.drafters.eagle3.head import Eagle3Head, KVBuffer
 from specfit.validation import integer, optional_integer
@@ -83,7 +82,7 @@ def _alias(cfg: Eagle3DrafterConfig, field: str, alias: str, offset: int = 0) ->
     return other + offset
 
 
-class Eagle3Drafter:
+class Eagle3Drafter(DrafterBase):
     name = "eagle3"
     Config = Eagle3DrafterConfig
 

@@ -1,0 +1,60 @@
+"""One line from Hydra's and OmegaConf's multi-line errors: the part that names the key or value.
+
+Its own module so that the registry (a plug-in's config) and :mod:`specfit.config` share it
+without importing each other.
+"""
+
+from __future__ import annotations
+
+import re
+
+def one_line_config_error(exc: BaseException) -> str:
+    """Hydra's messages span lines and end in hints about HYDRA_FULL_ERROR; keep what names the problem."""
+    seen = []
+    err: BaseException | None = exc
+    while err is not None:
+        for line in str(err).splitlines():
+            line = line.strip()
+            if not line or line.startswith(_NOISE):
+                continue
+            line = _APPEND_HINT.sub("", line).strip()  # `+key=value` would now be refused too
+            if line and line not in seen:
+                seen.append(line)
+        err = err.__cause__
+    message = (" ".join(seen) or type(exc).__name__) + _did_you_mean(exc)
+    if _is_parse_error(exc) and "LexerNoViableAltException" in message:  # characters Hydra's grammar refuses
+        message = message.replace("LexerNoViableAltException: ", "cannot parse ").split(" See https://")[0]
+        message = message.removesuffix(" ^") + _QUOTING_HINT
+    return message
+
+
+def _did_you_mean(exc: BaseException | None) -> str:
+    """For a misspelt key of a typed node (OmegaConf names the node's dataclass): the nearest field."""
+    import dataclasses
+    import difflib
+
+    while exc is not None:
+        schema, key = getattr(exc, "object_type", None), getattr(exc, "key", None)
+        if dataclasses.is_dataclass(schema) and isinstance(key, str):
+            near = difflib.get_close_matches(key, [f.name for f in dataclasses.fields(schema)], n=1)
+            if near:
+                full = str(getattr(exc, "full_key", None) or key)
+                return f"; did you mean {full[: len(full) - len(key)]}{near[0]}?"
+        exc = exc.__cause__
+    return ""
+
+
+def _is_parse_error(exc: BaseException | None) -> bool:
+    while exc is not None:
+        if type(exc).__name__ == "OverrideParseException":
+            return True
+        exc = exc.__cause__
+    return False
+
+
+# lines of Hydra/OmegaConf messages that name no problem (the search path lists every provider)
+_NOISE = ("full_key:", "object_type=", "reference_type=", "Set the environment", "Config search path",
+          "provider=")
+_QUOTING_HINT = (" (quote a value that has spaces, non-ASCII or special characters inside the shell's quotes:"
+                 " 'prompt=\"...\"'; a prompt can also come from prompt_file=PATH)")
+_APPEND_HINT = re.compile(r"\s*To append to your config use \+\S+")

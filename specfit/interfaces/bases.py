@@ -1,0 +1,156 @@
+"""Base classes of the plug-in kinds: the optional hooks as documented no-ops.
+
+Subclass your kind's base, set ``name`` and ``Config``, and write the required methods (abstract
+here: the registry names any you leave out); every optional hook you leave out does nothing (or
+the stated default). The Protocols in
+:mod:`specfit.interfaces.protocols` say what each hook receives and when it is called.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Sequence
+
+import numpy as np
+
+from specfit.core.tree import DraftTree
+from specfit.errors import ConfigError
+from specfit.interfaces.protocols import Admission, Selection, SelectionContext
+
+if TYPE_CHECKING:
+    from specfit.core.calibration import CostConstants
+    from specfit.core.moe import MoESpec
+    from specfit.core.search import SearchProblem
+
+
+class DrafterBase(ABC):
+    """Required: ``draft(tree)``, and ``depth`` / ``total_tokens`` (set them in ``__init__`` or on
+    the class). Defaults: ``bind``, ``start`` and ``commit`` do nothing; ``feature_layers()`` is
+    empty (the drafter needs no hidden states of the target)."""
+
+    name: ClassVar[str]
+    depth: int
+    total_tokens: int
+
+    def bind(self, target: Any) -> None:
+        pass
+
+    def feature_layers(self) -> Sequence[int]:
+        return ()
+
+    def start(self, prompt_ids: Sequence[int], features: Any, next_token: int) -> None:
+        pass
+
+    @abstractmethod
+    def draft(self, tree: DraftTree) -> Iterator[range]:
+        ...
+
+    def commit(self, tokens: Sequence[int], features: Any, next_token: int) -> None:
+        pass
+
+
+class SelectorBase(ABC):
+    """Required: ``select(tree, ctx)``. Defaults: needs no other part (``requires = ()``), ``bind``
+    does nothing, ``should_draft()`` is always True, ``observe`` and ``observe_time`` ignore what
+    they are told."""
+
+    name: ClassVar[str]
+    requires: ClassVar[Sequence[str]] = ()
+
+    def bind(self, spec: MoESpec) -> None:
+        pass
+
+    def should_draft(self) -> bool:
+        return True
+
+    @abstractmethod
+    def select(self, tree: DraftTree, ctx: SelectionContext) -> Selection:
+        ...
+
+    def observe(self, tree: DraftTree, verified: Sequence[int], accepted: Sequence[int]) -> None:
+        pass
+
+    def observe_time(self, drafted: bool, committed: int, seconds: float) -> None:
+        pass
+
+
+class CostModelBase(ABC):
+    """Constants measured by ``specfit calibrate``, held for a subclass's ``problem``.
+
+    Defaults: ``calibration = "auto"`` (``specfit.build`` loads this setup's stored calibration, or
+    measures it, and calls ``set_constants``); ``constants`` are those set, ``calibrated`` says
+    whether any are; ``bind`` keeps the spec as ``self.spec``; ``observe`` ignores cycles.
+    ``problem`` refuses, naming the model: a cost model that does not state cycles as an
+    expert-union :class:`~specfit.core.search.SearchProblem` can still serve selectors of your own,
+    but not the cost-aware built-ins (``specfit``, ``greedy``, ``prefix``).
+    """
+
+    name: ClassVar[str]
+    calibration: str | None = "auto"
+    _constants: CostConstants | None = None
+
+    def bind(self, spec: MoESpec) -> None:
+        self.spec = spec
+
+    @property
+    def calibrated(self) -> bool:
+        return self._constants is not None
+
+    @property
+    def constants(self) -> CostConstants:
+        if self._constants is None:
+            raise ConfigError(f"cost_model={self.name} is not calibrated: run `specfit calibrate` or set "
+                              "cost_model.calibration=FILE")
+        return self._constants
+
+    def set_constants(self, constants: CostConstants) -> None:
+        self._constants = constants
+
+    def problem(self, tree: DraftTree, accept: np.ndarray, resident: np.ndarray,
+                draft_seconds: float) -> SearchProblem:
+        raise ConfigError(f"cost_model={self.name} builds no selection problems, which the cost-aware selectors "
+                          "(specfit, greedy, prefix) need: use cost_model=union with them")
+
+    def observe(self, record: Any) -> None:
+        pass
+
+
+class ExpertCacheBase(ABC):
+    """Required: ``bind(spec) -> slots per layer``, ``admit(layer, wanted)``, ``resident()``.
+    Defaults: ``preload()`` copies nothing ahead, ``begin_pass()`` does nothing."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def bind(self, spec: MoESpec) -> int:
+        ...
+
+    def preload(self) -> list[tuple[int, int, int]]:
+        return []
+
+    def begin_pass(self) -> None:
+        pass
+
+    @abstractmethod
+    def admit(self, layer: int, wanted: Sequence[int]) -> Admission:
+        ...
+
+    @abstractmethod
+    def resident(self) -> np.ndarray:
+        ...
+
+
+class ExpertPredictorBase(ABC):
+    """Required: ``predict(tree, nodes)``. Defaults: ``bind`` and ``observe`` do nothing."""
+
+    name: ClassVar[str]
+
+    def bind(self, target: Any) -> None:
+        pass
+
+    @abstractmethod
+    def predict(self, tree: DraftTree, nodes: range) -> None:
+        ...
+
+    def observe(self, tokens: Sequence[int], routing: np.ndarray) -> None:
+        pass
