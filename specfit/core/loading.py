@@ -7,6 +7,8 @@ engine then moves everything but the experts to the device.
 from __future__ import annotations
 
 import json
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,7 +65,7 @@ def load_target(cfg: ModelConfig) -> LoadedModel:
         raise ModelError("no model: set model.path=DIR (a Hugging Face checkpoint) or model=<preset>")
     return LoadedModel(
         load_checkpoint(cfg.path, cfg.dtype, cfg.attn_implementation),
-        load_tokenizer(cfg.tokenizer, "model.tokenizer") if cfg.tokenizer else load_tokenizer(cfg.path),
+        load_tokenizer(cfg.tokenizer, "model.tokenizer", required=True) if cfg.tokenizer else load_tokenizer(cfg.path),
         cfg.path,
     )
 
@@ -89,12 +91,20 @@ def load_checkpoint(path: str, dtype: str = "auto", attn_implementation: str = "
         raise ModelError(f"model.path={path}: no such directory")
     check_architecture(path)
 
-    # a progress bar per load only clutters comparisons of small models (the demo loads one per method)
-    quiet = local.is_dir() and sum(f.stat().st_size for f in local.glob("*.safetensors")) < 2**30
+    # A checkpoint of a GiB or more (or one from the hub) takes a while: transformers' bar on a terminal,
+    # one line before and after otherwise. Small ones load in a second: a bar per load would only
+    # clutter comparisons (the demo loads one per method).
+    size = sum(f.stat().st_size for f in local.glob("*.safetensors")) if local.is_dir() else None
+    slow = size is None or size >= 2**30
+    bar = slow and sys.stderr.isatty()
     bar_was_on = hf_logging.is_progress_bar_enabled()
     verbosity = hf_logging.get_verbosity()
-    if quiet:
+    if not bar:
         hf_logging.disable_progress_bar()
+    if slow and not bar:
+        weights = f" ({size / 1e9:.1f} GB)" if size is not None else ""
+        print(f"specfit: loading the checkpoint model.path={path}{weights}", file=sys.stderr, flush=True)
+    start = time.perf_counter()
     hf_logging.set_verbosity_error()  # transformers' load report becomes our one-line error below
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
@@ -105,8 +115,10 @@ def load_checkpoint(path: str, dtype: str = "auto", attn_implementation: str = "
         raise ModelError(f"model.path={path}: cannot load the checkpoint: {_first_line(exc)}") from exc
     finally:
         hf_logging.set_verbosity(verbosity)
-        if quiet and bar_was_on:
+        if not bar and bar_was_on:
             hf_logging.enable_progress_bar()
+    if slow and not bar:
+        print(f"specfit: loaded model.path={path} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     _check_loading_info(path, info)
     return model.eval()
 
@@ -221,16 +233,19 @@ def _check_loading_info(path: str, info: dict[str, Any]) -> None:
         raise ModelError(f"model.path={path}: cannot load the checkpoint: {str(info['error_msgs'][0]).splitlines()[0]}")
 
 
-def load_tokenizer(path: str, key: str = "model.path") -> Any | None:
-    """The checkpoint's tokenizer, or None when it has none (prompts must then be token ids)."""
+def load_tokenizer(path: str | Path, key: str = "model.path", required: bool = False, hint: str = "") -> Any | None:
+    """The tokenizer in ``path`` (a directory, or a hub id), or None when a checkpoint has none (prompts
+    must then be token ids). ``required``: no tokenizer there is a ModelError naming ``key`` (and
+    ``hint``, how to make one). The one tokenizer loader: the engine's and the trainers'."""
+    path = str(path)
     local = Path(path).expanduser()
-    if key == "model.tokenizer" and not local.exists() and (path.startswith((".", "/", "~")) or path.count("/") != 1):
-        raise ModelError(f"model.tokenizer={path}: no such directory")
+    if required and not local.exists() and (path.startswith((".", "/", "~")) or path.count("/") != 1):
+        raise ModelError(f"{key}={path}: no such directory{hint}")
     if local.is_dir() and not any(
         (local / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     ):
-        if key == "model.tokenizer":
-            raise ModelError(f"model.tokenizer={path}: no tokenizer files there (tokenizer.json, tokenizer_config.json, ...)")
+        if required:
+            raise ModelError(f"{key}={path}: no tokenizer files there (tokenizer.json, tokenizer_config.json, ...){hint}")
         return None
     if local.is_dir():
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

@@ -32,7 +32,10 @@ from specfit.training.common import (
     JsonlLog, check_trainer_config, load_state, progress_bar, read_text_files, rng_state, set_rng_state, truncate_log, warmup_cosine_lr,
     write_json,
 )
+from specfit.core.loading import load_tokenizer  # the one tokenizer loader (tests import it from here too)
 from specfit.data.paths import default_data_dir
+
+TOKENIZER_HINT = " (train one with `specfit train-tokenizer` first)"
 
 #: Fields of :class:`TrainTargetConfig` that define the model; a resumed run must match them.
 MODEL_FIELDS = (
@@ -101,7 +104,7 @@ class TrainTargetConfig:
     eval_windows: int = 64  # held-out windows (seq_len tokens each) for the eval loss in the log
     checkpoint_every: int = 100
     resume: bool = False
-    progress: bool | None = None  # None: a bar only when stderr is a terminal
+    progress: bool | None = None  # None: a bar on a terminal, else a line per log_every steps; false: neither
     save_dtype: str = "float32"  # dtype of the final safetensors ("float32" or "bfloat16")
 
     def __post_init__(self) -> None:
@@ -416,17 +419,6 @@ def _eval_loss(model: Any, windows: np.ndarray, batch_size: int, device: str) ->
 # training
 
 
-def load_tokenizer(path: str | os.PathLike[str]):
-    """The tokenizer directory written by :func:`~specfit.training.tokenizer.train_tokenizer`."""
-    from transformers import AutoTokenizer
-
-    p = Path(path)
-    if not (p / "tokenizer.json").exists():
-        raise FileNotFoundError(f"no tokenizer at {p} (train one with train_tokenizer / "
-                                "`specfit train-tokenizer` first)")
-    return AutoTokenizer.from_pretrained(str(p))
-
-
 def train_target(cfg: TrainTargetConfig) -> Path:
     """Train (or resume) the target and save it with ``save_pretrained`` in ``cfg.out_dir``.
 
@@ -451,7 +443,7 @@ def train_target(cfg: TrainTargetConfig) -> Path:
         truncate_log(log, state["step"])
     elif not cfg.resume and (out / "train_log.jsonl").exists():
         (out / "train_log.jsonl").unlink()  # a fresh run starts a fresh log
-    tokenizer = load_tokenizer(cfg.tokenizer_dir)
+    tokenizer = load_tokenizer(cfg.tokenizer_dir, "tokenizer_dir", required=True, hint=TOKENIZER_HINT)
     write_json(out / "train_config.json", asdict(cfg))
 
     data = prepare_train_data(cfg, tokenizer, out / "data")
@@ -493,7 +485,7 @@ def train_target(cfg: TrainTargetConfig) -> Path:
     forward = _forward_loss
     train_model = torch.compile(model) if cfg.compile else model
 
-    bar = progress_bar(cfg.max_steps, initial=step, desc="train-target", disable=(
+    bar = progress_bar(cfg.max_steps, initial=step, desc="train-target", every=cfg.log_every, disable=(
         None if cfg.progress is None else not cfg.progress))
     t_start = time.perf_counter()
     t_window, tok_window = time.perf_counter(), 0
@@ -648,7 +640,7 @@ def evaluate_target(model_dir: str | os.PathLike[str], data_dir: str | os.PathLi
 
     _set_threads(threads)
     model_dir = Path(model_dir)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir, "model_dir", required=True)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.eval()
     counts = _unigram_counts(model_dir, tokenizer, data_dir, train_gsm_per_template)
