@@ -5,6 +5,8 @@ the entry-point group ``specfit``. Environment switches:
 
 - ``SPECFIT_DISABLE_PLUGIN_AUTOLOAD=1``: load no third-party entry points;
 - ``SPECFIT_PLUGINS=a,b``: load only the entry points named ``a`` and ``b``.
+
+:func:`register_plugin` adds a plugin module in code (an uninstalled package's own tests).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class PluginEntry:
 def check_plugin_instance(kind: str, obj: Any) -> None:
     """A plug-in object, before it is bound: every member of its kind's Protocol, attributes included."""
     name = getattr(obj, "name", None)
-    missing = [m for m in contract(kind).members if not hasattr(obj, m)]
+    missing = [m for m in contract(kind).members if not _has(obj, m)]
     if not isinstance(name, str):
         missing.insert(0, "name")
     abstract = sorted(getattr(type(obj), "__abstractmethods__", ()))
@@ -76,6 +78,11 @@ def check_plugin_instance(kind: str, obj: Any) -> None:
         label = f"'{name}' ({type(obj).__qualname__})" if isinstance(name, str) else type(obj).__qualname__
         raise PluginError(f"{kind} {label} lacks {', '.join(missing + abstract)} "
                           f"(see specfit.interfaces.{KINDS[kind].__name__})")
+
+
+def _has(obj: Any, member: str) -> bool:
+    """``hasattr`` without running a property (an uncalibrated cost model's ``constants`` raises)."""
+    return isinstance(inspect.getattr_static(obj, member, None), property) or hasattr(obj, member)
 
 
 def check_plugin_class(kind: str, cls: Any) -> None:
@@ -236,6 +243,9 @@ class Plugins:
                     f"SPECFIT_PLUGINS=<allowed names> or SPECFIT_DISABLE_PLUGIN_AUTOLOAD=1"
                 ) from exc
             self.register_module(module, ep.name, dist, version)
+        for module, name in _IN_CODE:
+            if not self.pm.is_registered(module):  # installed too: its entry point registered it already
+                self.register_module(module, name, IN_CODE, "")
         try:
             self.pm.check_pending()
         except pluggy.PluginValidationError as exc:
@@ -293,6 +303,17 @@ def _entry_points() -> list[tuple[metadata.EntryPoint, str, str]]:
 
 
 _PLUGINS: Plugins | None = None
+_IN_CODE: list[tuple[object, str]] = []  # plugin modules given to register_plugin, in order
+IN_CODE = "registered in code"  # their distribution, as `specfit plugins` lists it
+
+
+def register_plugin(module: object, name: str | None = None) -> None:
+    """Load a plugin module as its entry point would, without installing its package (its tests, a
+    notebook). ``name`` is the plugin's name in errors (default: the module's). Takes effect from the
+    next :func:`get_plugins`; the environment switches do not filter it."""
+    if all(m is not module for m, _ in _IN_CODE):
+        _IN_CODE.append((module, name or getattr(module, "__name__", repr(module))))
+    reset_plugins()
 
 
 def get_plugins() -> Plugins:

@@ -1,7 +1,8 @@
 """A complete specfit plugin: an expert cache that evicts the expert loaded longest ago (FIFO).
 
 Installed with ``pip install -e docs/example-plugin``, it is selected like a built-in:
-``specfit generate ... cache=fifo cache.capacity=8``.
+``specfit generate ... cache=fifo cache.capacity=8``. Everything it needs comes from
+``specfit.interfaces``.
 """
 
 from __future__ import annotations
@@ -12,38 +13,34 @@ from typing import Sequence
 
 import numpy as np
 
-import specfit
-from specfit.config import CacheConfig
-from specfit.core.offload import resolve_capacity
-from specfit.interfaces import Admission
+from specfit.interfaces import Admission, CacheConfig, ExpertCacheBase, MoESpec, hookimpl, resolve_capacity
 
 
 @dataclass
 class FIFOCacheConfig(CacheConfig):
-    """Its fields become Hydra keys under `cache.` (typos are errors, types are checked)."""
+    """Its fields become Hydra keys under `cache.` (typos are errors, types are checked). Each field
+    reaches the constructor below: CacheConfig's capacity and capacity_bytes (copy and link configure
+    the copy engine, which specfit builds)."""
 
     name: str = "fifo"
 
 
-class FIFOCache:
+class FIFOCache(ExpertCacheBase):
+    """Required: bind, admit, resident. preload and begin_pass keep ExpertCacheBase's defaults
+    (nothing preloaded, nothing to do when a pass starts)."""
+
     name = "fifo"
     Config = FIFOCacheConfig
 
     def __init__(self, capacity: int | None = None, capacity_bytes: int | None = None) -> None:
         self.requested = (capacity, capacity_bytes)
 
-    def bind(self, spec) -> int:
+    def bind(self, spec: MoESpec) -> int:
         self.spec = spec
         self.capacity = resolve_capacity(spec, *self.requested, default=spec.top_k)
         self.queue = [deque() for _ in range(spec.num_layers)]  # (expert, slot), oldest first
         self.slot_of = [{} for _ in range(spec.num_layers)]
         return self.capacity
-
-    def preload(self):
-        return []
-
-    def begin_pass(self) -> None:
-        pass
 
     def admit(self, layer: int, wanted: Sequence[int]) -> Admission:
         slot_of, queue = self.slot_of[layer], self.queue[layer]
@@ -69,6 +66,6 @@ class FIFOCache:
         return mask
 
 
-@specfit.hookimpl
+@hookimpl
 def register_expert_caches(register):
     register(FIFOCache)

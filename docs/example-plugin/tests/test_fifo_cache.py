@@ -1,0 +1,51 @@
+"""The example plugin's own tests: `pytest` in docs/example-plugin (specfit's CI runs them as they are).
+
+They need specfit but not this package installed: an uninstalled package is registered in code with
+``specfit.registry.register_plugin``, which does nothing more once its entry point has loaded it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import specfit
+import specfit_fifo_cache
+from specfit.core.builtin_models import build_builtin
+from specfit.registry import get_plugins, register_plugin
+
+PROMPT = [1, 2, 3, 4]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fifo_registered():
+    register_plugin(specfit_fifo_cache, "fifo_cache")
+
+
+def test_the_cache_is_registered_under_its_name():
+    entry = get_plugins()["cache"].get("fifo")
+    assert entry.cls is specfit_fifo_cache.FIFOCache and entry.plugin == "fifo_cache"
+
+
+def test_greedy_output_is_the_models_own():
+    """Lossless: through a small FIFO cache (most experts copied in, some evicted), greedy decoding
+    gives the tokens the unmodified model's own `generate` gives."""
+    cfg = specfit.compose(["model=tiny", "cache=fifo", "cache.capacity=2", "max_new_tokens=8"])
+    engine = specfit.build(cfg)
+    out = engine.generate(PROMPT)
+    model = build_builtin("tiny-qwen3-moe", seed=0, dtype=torch.float32)  # the same seeded weights
+    expected = model.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert out.token_ids == expected[0, len(PROMPT):].tolist()
+    assert out.stats["expert_cache_misses"] > 0
+
+
+def test_the_oldest_expert_is_evicted_first():
+    spec = type("Spec", (), {"num_layers": 1, "num_experts": 8, "top_k": 2})()
+    cache = specfit_fifo_cache.FIFOCache(capacity=3)
+    assert cache.bind(spec) == 3
+    cache.admit(0, [0, 1, 2])
+    cache.admit(0, [1])  # a hit does not refresh its age (unlike LRU)
+    admission = cache.admit(0, [5])
+    assert admission.loads == [(5, 0)]  # expert 0, loaded first, gave up slot 0
+    np.testing.assert_array_equal(np.flatnonzero(cache.resident()[0]), [1, 2, 5])
