@@ -10,7 +10,6 @@ import math
 import os
 import random
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -28,14 +27,12 @@ def warmup_cosine_lr(step: int, *, total_steps: int, warmup_steps: int, lr: floa
 
 
 def progress_bar(total: int, *, initial: int = 0, desc: str = "", unit: str = "step",
-                 disable: bool | None = None) -> Any:
-    """A tqdm bar on stderr, off when stderr is not a terminal (logs stay clean)."""
-    from tqdm.auto import tqdm
+                 disable: bool | None = None, every: int = 1) -> Any:
+    """A tqdm bar on stderr on a terminal; otherwise one line per ``every`` steps (logs stay readable).
+    ``disable``: None decides by the terminal, True shows nothing, False forces the bar."""
+    from specfit.progress import progress
 
-    if disable is None:
-        disable = not sys.stderr.isatty()
-    return tqdm(total=total, initial=initial, desc=desc, unit=unit, file=sys.stderr,
-                disable=disable, dynamic_ncols=True)
+    return progress(total, desc, unit=unit, initial=initial, every=every, disable=disable)
 
 
 class JsonlLog:

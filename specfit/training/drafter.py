@@ -109,7 +109,7 @@ class TrainDrafterConfig:
     checkpoint_every: int = 100
     resume: bool = False
     stop_after_steps: int | None = None  # checkpoint and return at this step (time-sliced runs)
-    progress: bool | None = None  # None: a bar only when stderr is a terminal
+    progress: bool | None = None  # None: a bar on a terminal, else a line per log_every steps; false: neither
     save_dtype: str = "float32"
     # acceptance length at the end, on held-out prompts of the built-in data (0: skip)
     eval_prompts: int = 0
