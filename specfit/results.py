@@ -2,15 +2,35 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from omegaconf import DictConfig, OmegaConf
+
 from specfit.files import append_jsonl_lines
+
+PLUGIN_KINDS = ("drafter", "selector", "cost_model", "predictor", "cache")
 
 
 def append_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> Path:
     """Append rows to a results file, durably and never leaving half a line (see :mod:`specfit.files`)."""
     return append_jsonl_lines(path, rows, default=_jsonable)
+
+
+def run_config(cfg: DictConfig) -> dict[str, Any]:
+    """A run's config as results record it: interpolations resolved, and each plug-in's section as
+    its Config builds it, so an alias (``drafter.num_speculative_tokens=5``) is recorded as given
+    next to the value it set (``drafter.depth: 5``)."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    for kind in PLUGIN_KINDS:
+        node = cfg.get(kind)
+        if isinstance(node, DictConfig):
+            built = OmegaConf.to_object(node)  # runs the Config's __post_init__: aliases resolved
+            if dataclasses.is_dataclass(built):
+                config[kind] = json.loads(json.dumps(dataclasses.asdict(built), default=_jsonable))
+    return config
 
 
 def _jsonable(value: Any) -> Any:
@@ -103,3 +123,31 @@ def mean_stats(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     hits, misses = out.get("expert_cache_hits", 0), out.get("expert_cache_misses", 0)
     out["expert_cache_hit_rate"] = hits / (hits + misses) if hits + misses else 0.0
     return out
+
+
+def spec_bench_answers(rows: Sequence[dict[str, Any]], tokenizers: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Bench rows as Spec-Bench answer lines, per method: one line per prompt (``question_id``
+    ``WORKLOAD-INDEX``, ``category`` the workload), one choice per repeat.
+
+    A choice has Spec-Bench's fields, one entry per turn (a prompt is one turn here): ``turns``
+    (the output text; token ids when the model has no tokenizer), ``decoding_steps`` (cycles),
+    ``new_tokens``, ``wall_time`` (seconds) and ``accept_lengths`` (tokens committed per cycle),
+    so Spec-Bench's ``evaluation/speed.py`` reads the files as they are.
+    """
+    by_prompt: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for row in rows:
+        by_prompt.setdefault((row["method"], row["workload"], row["prompt_index"]), []).append(row)
+    answers: dict[str, list[dict[str, Any]]] = {}
+    for (method, workload, index), runs in by_prompt.items():
+        tokenizer = tokenizers.get(method)
+        choices = []
+        for row in sorted(runs, key=lambda r: r["repeat"]):
+            ids = row.get("output_ids", [])
+            text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else " ".join(map(str, ids))
+            choices.append({"index": row["repeat"], "turns": [text], "decoding_steps": [row["cycles"]],
+                            "new_tokens": [row["num_output_tokens"]], "wall_time": [row["total_seconds"]],
+                            "accept_lengths": list(row.get("accept_lengths", []))})
+        answers.setdefault(method, []).append({"question_id": f"{workload}-{index}", "category": workload,
+                                               "answer_id": f"{method}-{workload}-{index}", "model_id": method,
+                                               "choices": choices})
+    return answers

@@ -99,16 +99,28 @@ def test_console_script_cfg_job_and_plugins():
 
 
 def test_bench_runs_methods_side_by_side(tmp_path, capsys):
-    main(["bench", "model=tiny", "methods=[ar,eagle3_nocache,specfit,mine]", "drafter.top_k=3", "drafter.depth=2",
+    main(["bench", "model=tiny", "methods=[ar,eagle3_nocache,specfit,mine]", "drafter.top_k=3",
+          "drafter.num_speculative_tokens=2",  # vLLM's name for the depth
           '+method_presets.mine=["drafter=eagle3","selector=chain","cache=lru"]',  # a preset given inline
           "drafter.total_tokens=6", "prompt_ids=[5,17,99]", "max_new_tokens=6", "cache.copy=torch",
           "cost_model.c0=0.001", "cost_model.c_tok=0.0001", "cost_model.c_miss=0.0004", "cost_model.c_hit=0.00001",
-          f"hydra.run.dir={tmp_path}"])
-    out = capsys.readouterr().out
+          "answers_dir=answers", f"hydra.run.dir={tmp_path}"])
+    out, err = capsys.readouterr()
     assert "output tokens identical across methods: yes" in out and "vs eagle3_nc" in out
+    assert err.count("bench: ") == 4 and "bench: 4/4 runs" in err  # not a terminal: one line per run
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["method"] for r in rows] == ["ar", "eagle3_nocache", "specfit", "mine"]
     assert rows[2]["selector"] == "specfit" and "predictor_recall" in rows[2] and rows[3]["selector"] == "chain"
+    drafter = rows[2]["config"]["drafter"]
+    assert (drafter["depth"], drafter["num_speculative_tokens"]) == (2, 2)  # the alias given and the depth it set
+    # only the selector that uses a cost model has one (the others are not calibrated)
+    assert [r["config"]["cost_model"] is not None for r in rows] == [False, False, True, False]
+    for row in rows:  # Spec-Bench's answer file per method
+        answer = json.loads((tmp_path / "answers" / f"{row['method']}.jsonl").read_text())
+        choice = answer["choices"][0]
+        assert (answer["question_id"], answer["model_id"], choice["new_tokens"]) == ("inline-0", row["method"], [6])
+        assert choice["turns"] == [" ".join(map(str, row["output_ids"]))] and choice["wall_time"][0] > 0
+        assert sum(choice["accept_lengths"]) + 1 == 6  # tokens committed per cycle, after the prefill's token
 
 
 def test_unknown_method_is_named(tmp_path, capsys):

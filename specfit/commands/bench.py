@@ -6,6 +6,10 @@ methods, ``repeats`` times, so drift of a shared machine spreads evenly over the
 line per run goes to the results file as soon as the run completes (so an interrupted bench
 keeps every completed run, and ``resume=true`` skips them); the table reports means, with speedups
 against the baseline (autoregressive decoding) and against vanilla EAGLE-3 without a cache.
+
+A method whose selector does not require a cost model runs without one (the base config selects
+``cost_model=union`` for every method so that its keys can be overridden), so only the methods that
+use a cost model calibrate one. ``answers_dir=DIR`` also writes Spec-Bench's answer files.
 """
 
 from __future__ import annotations
@@ -17,14 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from specfit.api import build
 from specfit.commands.generate import prompts_of
 from specfit.config import compose
 from specfit.errors import ConfigError
-from specfit.files import check_writable, read_jsonl
-from specfit.results import append_jsonl, comparison_table, mean_stats
+from specfit.files import check_writable, read_jsonl, write_atomic
+from specfit.progress import progress
+from specfit.registry import get_plugins
+from specfit.results import append_jsonl, comparison_table, mean_stats, run_config, spec_bench_answers
 from specfit.workloads import describe
 
 
@@ -43,10 +49,25 @@ def method_config(cfg: DictConfig, method: str, workload: str | None, overrides:
         raise ConfigError(f"methods: {method!r} has no entry in method_presets (known: {', '.join(cfg.method_presets)})")
     base = ([f"workload={workload}"] if workload else []) + list(cfg.method_presets[method])
     try:
-        return compose(overrides + base, config_name=_config_name())
+        config = compose(overrides + base, config_name=_config_name())
     except ConfigError:
         usable = [o for o in overrides if _composes([o] + base)]
-        return compose(usable + base, config_name=_config_name())
+        config = compose(usable + base, config_name=_config_name())
+    return without_unused_cost_model(config)
+
+
+def without_unused_cost_model(cfg: DictConfig) -> DictConfig:
+    """``cfg`` without its cost model when the selector does not require one (``requires``).
+
+    Such a selector never consults it, so the method's output and timing are the same without it,
+    and it neither calibrates (minutes, for ``ar`` or ``eagle3``) nor is recorded as if it were used.
+    """
+    if cfg.get("cost_model") is None:
+        return cfg
+    selector = get_plugins()["selector"].get(cfg.selector.name).cls
+    if "cost_model" not in getattr(selector, "requires", ()):
+        cfg.cost_model = None
+    return cfg
 
 
 def _composes(overrides: list[str]) -> bool:
@@ -67,16 +88,14 @@ def check_overrides(cfg: DictConfig, overrides: list[str]) -> None:
             raise ConfigError(f"override {o!r} applies to none of the methods {list(cfg.methods)}")
 
 
-def _progress(total: int, initial: int = 0):  # noqa: ANN202
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, desc="bench", unit="run", file=sys.stderr,
-                disable=not sys.stderr.isatty())
+def _progress(total: int, initial: int = 0) -> Any:
+    """A bar on a terminal, else one line per completed run (stderr)."""
+    return progress(total, "bench", unit="run", initial=initial)
 
 
 # keys of a bench row that are not the run's stats (the rest is ``GenerationOutput.stats``)
 _ROW_KEYS = {"command", "method", "workload", "workload_kind", "workload_split", "prompt_index", "repeat", "config",
-             "output_ids"}
+             "output_ids", "accept_lengths"}
 
 
 def resume_command(output_dir: Path, replace: dict[str, str] | None = None) -> str:
@@ -118,7 +137,7 @@ _JOB_KEYS = ("resume", "methods", "workloads", "repeats", "method_presets", "bas
 def _plain(config: Any) -> Any:
     """A run's config as stored in a results row, without the keys that only shape the job."""
     if isinstance(config, DictConfig):
-        config = OmegaConf.to_container(config, resolve=True)
+        config = run_config(config)
     if not isinstance(config, dict):
         return None
     return json.loads(json.dumps({k: v for k, v in config.items() if k not in _JOB_KEYS}, default=str))
@@ -135,6 +154,9 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
         raise ConfigError("methods is empty: name the methods to compare, e.g. methods=[ar,eagle3,specfit]")
     check_overrides(cfg, overrides)
     results = check_writable(output_dir / cfg.results_file, "results_file")
+    answers_dir = None if cfg.answers_dir is None else check_writable(output_dir / cfg.answers_dir, "answers_dir",
+                                                                       directory=True)
+    answers: dict[str, list[dict[str, Any]]] = {}  # Spec-Bench answer lines per method, all workloads
     workloads = list(cfg.workloads) or [None]
     rows: list[dict[str, Any]] = []
     summaries: list[dict[str, Any]] = []
@@ -166,7 +188,8 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
                                 stats = out.stats
                                 row = {"command": "bench", "method": method, **about, "prompt_index": i,
                                        "repeat": repeat, **stats, "output_ids": out.token_ids,
-                                       "config": OmegaConf.to_container(configs[method], resolve=True)}
+                                       "accept_lengths": [c.committed for c in out.cycles],
+                                       "config": run_config(configs[method])}
                                 append_jsonl(results, [row])
                                 finished += 1
                                 bar.update()
@@ -185,6 +208,10 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
                   f"{'greedy' if cfg.sampling.temperature == 0 else f'sampling T={cfg.sampling.temperature}'}")
             print(comparison_table(summary, baseline=cfg.baseline))
             print(f"output tokens identical across methods: {'yes' if identical else 'NO'}")
+            if answers_dir is not None:
+                for method, lines in spec_bench_answers(rows[-total:], {m: e.tokenizer for m, e in engines.items()}).items():
+                    answers.setdefault(method, []).extend(lines)
+                    write_atomic(answers_dir / f"{method}.jsonl", "".join(json.dumps(a) + "\n" for a in answers[method]))
     except KeyboardInterrupt:
         print(f"specfit: interrupted: {finished} completed runs are in {results}; resume with: "
               f"{resume_command(output_dir)}", file=sys.stderr, flush=True)
@@ -193,4 +220,6 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
     if any(r.get("h2d_emulated") for r in summaries):
         print("H2D times are EMULATED (cache.copy=emulated): each copy is charged the reference link's time.")
     print(f"results: {results}")
+    if answers_dir is not None:
+        print(f"answers (Spec-Bench format, one file per method): {answers_dir}")
     return rows

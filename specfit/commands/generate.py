@@ -6,12 +6,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from specfit.api import build
 from specfit.errors import ConfigError
 from specfit.files import check_writable
-from specfit.results import append_jsonl, stats_line
+from specfit.results import append_jsonl, run_config, stats_line
 
 
 def prompts_of(cfg: DictConfig) -> list[str | list[int]]:
@@ -66,7 +66,7 @@ def run(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
     prompts = prompts_of(cfg)
     engine = build(cfg, check_prompts=prompts)
     rows = []
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = run_config(cfg)  # plug-in aliases recorded with the values they set
     for prompt in prompts:
         out = engine.generate(prompt)
         print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
