@@ -22,6 +22,7 @@ from typing import Any
 import pluggy
 
 from specfit import __version__
+from specfit.config_messages import one_line_config_error
 from specfit.errors import ConfigError, PluginError, SpecfitError
 from specfit.interfaces import hookspecs
 from specfit.interfaces.configs import CONSUMED_ELSEWHERE, PLUGIN_BASES
@@ -163,8 +164,9 @@ class Registry:
         """Build the plugin named by ``cfg.name`` from its config (a DictConfig or dataclass).
 
         Every field reaches the plugin (see :func:`constructor_arguments`), and the object is checked
-        against its kind's contract before anyone binds it. A bad value raises :class:`ConfigError` naming the key (the config's ``__post_init__`` or the
-        plugin's constructor); a plugin that cannot be built from its own config, a PluginError.
+        against its kind's contract before anyone binds it. A bad value raises :class:`ConfigError`
+        naming the key (the config's ``__post_init__`` or the plugin's constructor); a plugin that
+        cannot be built from its own config, a PluginError.
         """
         from omegaconf import DictConfig, OmegaConf
 
@@ -176,7 +178,7 @@ class Registry:
             except ValueError as exc:  # a third-party Config's own check
                 raise ConfigError(f"{self.kind}: {_one_line(exc)}") from exc
             except Exception as exc:  # an omegaconf error: a missing or mistyped value
-                raise ConfigError(f"{self.kind}: {_one_line(exc)}") from exc
+                raise ConfigError(f"{self.kind}: {one_line_config_error(exc)}") from exc
         name = getattr(cfg, "name", None)
         if not isinstance(name, str):
             raise PluginError(f"a {self.kind} config needs a `name` (a registered {self.kind}), "

@@ -101,7 +101,7 @@ class DraftGate:
 
 
 @dataclass
-class CostAwareConfig(SelectorConfig):
+class CostAwareSelectorConfig(SelectorConfig):
     """Settings shared by the cost-aware selectors (specfit, greedy, prefix)."""
 
     acceptance: str = "path_prob"  # path_prob (a_v = P_v) | calibrated (a_v = f(P_v, depth), learned online)

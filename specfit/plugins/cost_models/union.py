@@ -22,7 +22,7 @@ from specfit.validation import number
 
 
 @dataclass
-class UnionCostConfig(CostModelConfig):
+class UnionCostModelConfig(CostModelConfig):
     name: str = "union"
     cache_aware: bool = True
     calibration: str = "auto"  # auto: the stored calibration of this setup (made on first use) | a file path
@@ -49,7 +49,7 @@ REQUIRED = ("c0", "c_tok", "c_miss", "c_hit")
 
 class UnionCostModel(CostModelBase):
     name = "union"
-    Config = UnionCostConfig
+    Config = UnionCostModelConfig
 
     def __init__(self, cache_aware: bool = True, calibration: str = "auto", online: bool = False,
                  constants: CostConstants | None = None, refit_every: int = 16, window: int = 256,
@@ -68,7 +68,7 @@ class UnionCostModel(CostModelBase):
             self.set_constants(constants)
 
     @classmethod
-    def from_config(cls, cfg: UnionCostConfig) -> UnionCostModel:
+    def from_config(cls, cfg: UnionCostModelConfig) -> UnionCostModel:
         return cls(cache_aware=cfg.cache_aware, calibration=cfg.calibration, online=cfg.online,
                    **{k: getattr(cfg, k) for k in OVERRIDES})
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from specfit.core.search import SearchProblem, greedy
-from specfit.core.selection import CostAwareConfig, CostAwareSelector
+from specfit.core.selection import CostAwareSelector, CostAwareSelectorConfig
 
 
 @dataclass
-class GreedySelectorConfig(CostAwareConfig):
+class GreedySelectorConfig(CostAwareSelectorConfig):
     name: str = "greedy"
 
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from specfit.core.search import SearchProblem, evaluate
-from specfit.core.selection import CostAwareConfig, CostAwareSelector
+from specfit.core.selection import CostAwareSelector, CostAwareSelectorConfig
 
 
 @dataclass
-class PrefixSelectorConfig(CostAwareConfig):
+class PrefixSelectorConfig(CostAwareSelectorConfig):
     name: str = "prefix"
 
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from specfit.core.search import SearchProblem, solve
-from specfit.core.selection import CostAwareConfig, CostAwareSelector
+from specfit.core.selection import CostAwareSelector, CostAwareSelectorConfig
 
 
 @dataclass
-class SpecFitSelectorConfig(CostAwareConfig):
+class SpecFitSelectorConfig(CostAwareSelectorConfig):
     name: str = "specfit"
 
 
