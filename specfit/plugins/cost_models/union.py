@@ -121,6 +121,8 @@ class UnionCostModel(CostModelBase):
         )
 
     def predict(self, tree: DraftTree, nodes: Sequence[int], resident: np.ndarray, draft_seconds: float) -> float:
+        """T(S) of verifying ``nodes``, in seconds (a convenience for analysis: not part of the
+        CostModel contract, which the core uses through ``problem``)."""
         mask = np.zeros(len(tree), dtype=bool)
         mask[list(nodes)] = True
         problem = self.problem(tree, np.zeros(len(tree)), resident, draft_seconds)
