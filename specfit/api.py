@@ -37,7 +37,10 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
     parts: dict[str, Any] = {}
     for kind in ("drafter", "selector", "cost_model", "predictor", "cache"):  # before the model: fail fast
         node = cfg.get(kind)
+        if kind == "drafter" and node is not None:
+            node = _with_model_head(node, cfg.model.get("draft_head"))
         parts[kind] = plugins[kind].create(node) if node is not None else None
+    parts.update(default_parts(**{k: parts[k] for k in DEFAULT_PARTS}))
     loaded = load_target(OmegaConf.to_object(cfg.model))
     if loaded.tokenizer is None:
         _check_prompts_are_ids(cfg)
@@ -52,7 +55,6 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
         max_new_tokens=cfg.max_new_tokens,
         stop_token_ids=list(cfg.stop_token_ids),
         ignore_eos=cfg.ignore_eos,
-        draft_head=cfg.model.draft_head,
         max_model_len=cfg.model.get("max_model_len"),
         info={"model": loaded.source},
         **parts,
@@ -62,6 +64,30 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
     if calibrate_now:
         _attach_calibration(engine, calibration_prompts)
     return engine
+
+
+# The plug-ins an engine gets when neither the config nor the caller names one: no drafting (plain
+# autoregressive decoding), EAGLE's selector, an LRU expert cache of the default capacity.
+DEFAULT_PARTS = {"drafter": "none", "selector": "eagle3", "cache": "lru"}
+
+
+def default_parts(**given: Any) -> dict[str, Any]:
+    """``given`` (drafter, selector, cache instances), each None replaced by the registered default
+    of :data:`DEFAULT_PARTS`, built with its default settings. ``Engine`` calls it for the parts a
+    caller leaves out, ``build`` for those a config leaves out."""
+    plugins = get_plugins()
+    return {kind: given.get(kind) if given.get(kind) is not None else plugins[kind].get(name).cls()
+            for kind, name in DEFAULT_PARTS.items()}
+
+
+def _with_model_head(node: DictConfig, head: str | None) -> DictConfig:
+    """The drafter's config, its ``path`` set to the model's own EAGLE-3 head (``model.draft_head``)
+    when it has a ``path`` key left null: the head reaches the drafter as its own setting."""
+    if not head or "path" not in node or node.path is not None:
+        return node
+    node = node.copy()
+    node.path = head
+    return node
 
 
 def _check_prompts_are_ids(cfg: DictConfig) -> None:

@@ -21,7 +21,7 @@ from specfit.registry import get_plugins
 from specfit.files import check_writable
 from specfit.results import append_jsonl
 from specfit.trace.format import Trace, load_trace
-from specfit.trace.replay import ReplayResult, model_loader, replay
+from specfit.trace.replay import ReplayResult, draft_time_mode, model_loader, replay
 
 COLUMNS = [
     ("method", "method", "{}"),
@@ -54,7 +54,11 @@ def method_configs(cfg: DictConfig, overrides: list[str]) -> list[tuple[str, Dic
     from specfit.commands.bench import check_overrides, method_config
 
     check_overrides(cfg, overrides)
-    return [(str(m), method_config(cfg, str(m), None, overrides)) for m in cfg.methods]
+    configs = [(str(m), method_config(cfg, str(m), None, overrides)) for m in cfg.methods]
+    for _, c in configs:  # a replay charges every method the cost model's time, used by its selector or not
+        if c.get("cost_model") is None and cfg.get("cost_model") is not None:
+            c.cost_model = cfg.cost_model
+    return configs
 
 
 def replay_config(trace: Trace, cfg: DictConfig, name: str, model: Any, draft_time: str,
@@ -87,8 +91,8 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
         raise ConfigError("set trace.path=DIR: a trace written by `specfit record`")
     trace = load_trace(cfg.trace.path)
     check_writable(output_dir / cfg.results_file, "results_file")  # before the replays run
-    draft_time = str(cfg.replay.draft_time)
-    warmup = int(cfg.replay.warmup) if draft_time == "recorded" else 0
+    draft_time = draft_time_mode(str(cfg.replay.draft_time))  # "recorded" is the earlier name of "measured"
+    warmup = int(cfg.replay.warmup) if draft_time == "measured" else 0
     given = cfg.model.path or cfg.model.builtin
     model = model_loader(trace, OmegaConf.to_object(cfg.model) if given else None)
 

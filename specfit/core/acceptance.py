@@ -12,6 +12,7 @@ rates of EAGLE's multi-draft rejection scheme for deterministic (top-k) candidat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -29,11 +30,17 @@ def accept(block: VerifyBlock, logits: torch.Tensor, sampler: Sampler) -> Accept
     """Walk down the block from the root; ``logits`` are the target's [len(block), vocab].
 
     The token after block position ``pos`` is output token ``sampler.position + depth(pos)``."""
+    return walk(block, lambda pos: sampler.token(logits[pos], sampler.position + block.depths[pos]))
+
+
+def walk(block: VerifyBlock, token_after: Callable[[int], int]) -> Acceptance:
+    """Accept down the block: ``token_after(pos)`` is the target's token after block position ``pos``
+    (sampled or greedy live; the recorded argmax in a trace replay)."""
     children = block.children()
     path: list[int] = []
     pos = 0
     while True:
-        token = sampler.token(logits[pos], sampler.position + block.depths[pos])
+        token = token_after(pos)
         nxt = _drafted(block, children[pos], token)
         if nxt is None:
             return Acceptance(path, token)

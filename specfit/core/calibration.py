@@ -26,6 +26,7 @@ import numpy as np
 
 from specfit.core.stats import CycleRecord
 from specfit.errors import ConfigError
+from specfit.interfaces import Selection, SelectorBase
 
 
 @dataclass
@@ -116,8 +117,7 @@ def setup_fingerprint(engine: Any) -> dict[str, Any]:
         "copy_engine": engine.copy_engine.describe(),
         # drafting costs depend on the drafter's settings, not only on its kind
         "drafter": {"name": engine.drafter.name, "depth": engine.drafter.depth, "total_tokens": engine.drafter.total_tokens,
-                    "top_k": getattr(engine.drafter, "top_k", None), "head": getattr(engine.drafter, "path", None),
-                    "model_head": getattr(engine.target, "draft_head", None)},
+                    "top_k": getattr(engine.drafter, "top_k", None), "head": getattr(engine.drafter, "path", None)},
         "machine": {"node": platform.node(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count()},
     }
@@ -179,7 +179,7 @@ def load_constants(path: str | Path) -> CostConstants:
 # --------------------------------------------------------------------------- measuring
 
 
-class SizeSweepSelector:
+class SizeSweepSelector(SelectorBase):
     """Verifies a random number of the best nodes after a random number of levels, so calibration
     sees cycles of every size (not registered as a plugin: it only serves calibration)."""
 
@@ -189,33 +189,24 @@ class SizeSweepSelector:
         self.rng = np.random.default_rng(seed)
         self._stop_at = 1
 
-    def bind(self, spec: Any) -> None:
-        pass
-
     def select(self, tree: Any, ctx: Any) -> Any:
-        from specfit.interfaces import Selection
-
         if tree.depth == 1:
             self._stop_at = int(self.rng.integers(1, max(ctx.max_depth, 1) + 1))
         stop = tree.depth >= self._stop_at
         count = int(self.rng.integers(0, min(ctx.max_nodes, len(tree)) + 1)) if stop else 0
         return Selection(nodes=tree.top_by_path_prob(count), stop=stop)
 
-    def observe(self, tree: Any, verified: Any, accepted: Any) -> None:
-        pass
-
 
 def run_calibration(engine: Any, prompts: Sequence[Any], max_new_tokens: int, seed: int = 0,
                     held_out: float = 0.3) -> tuple[CostConstants, dict[str, Any]]:
-    """Decode ``prompts`` with cycles of random size, fit the constants, report held-out error."""
-    saved = engine.selector
-    engine.selector = SizeSweepSelector(seed)
+    """Decode ``prompts`` with cycles of random size, fit the constants, report held-out error.
+
+    The engine decodes with a :class:`SizeSweepSelector` for these calls only (``generate``'s
+    ``selector``): its own selector is neither replaced nor touched."""
+    sweep = SizeSweepSelector(seed)
     records: list[CycleRecord] = []
-    try:
-        for prompt in prompts:
-            records += engine.generate(prompt, max_new_tokens=max_new_tokens).cycles
-    finally:
-        engine.selector = saved
+    for prompt in prompts:
+        records += engine.generate(prompt, max_new_tokens=max_new_tokens, selector=sweep).cycles
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(records))
     if len(records) < 8:

@@ -8,43 +8,25 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
 from specfit.core import guard
-from specfit.core.acceptance import Acceptance, accept
 from specfit.core.copy_engines import CopyEngine, LinkSettings, make_copy_engine
+from specfit.core.cycle import (  # noqa: F401 - CycleTrace, CycleObserver, should_draft, report_time: re-exported
+    Cycle, CycleObserver, CycleTimes, CycleTrace, Verdict, check_parts, report_time, should_draft,
+)
 from specfit.core.offload import OffloadRuntime
 from specfit.core.sampling import Sampler, SamplingParams
-from specfit.core.stats import CycleRecord, RunStats, prediction_overlap
-from specfit.core.target import Target
-from specfit.core.tree import DraftTree, verify_block
+from specfit.core.stats import CycleRecord, RunStats
+from specfit.core.target import PassOutput, Target
+from specfit.core.tree import DraftTree, VerifyBlock
 from specfit.errors import ConfigError
-from specfit.registry import check_plugin_instance
+from specfit.interfaces import CostModel, Drafter, ExpertCache, ExpertPredictor, Selector
 from specfit.validation import check_engine_args, device_arg, token_ids
-from specfit.interfaces import Selection, SelectionContext
-
-
-@dataclass
-class CycleTrace:
-    """Everything one cycle saw, for observers (trace recording, analysis); built only when observed."""
-
-    tree: DraftTree
-    block: Any  # the VerifyBlock that was verified
-    argmax: list[int]  # the target's greedy token after each block position
-    routing: Any  # np.ndarray int [len(block), layers, top_k], experts each verified token used
-    accepted: list[int]  # accepted block positions
-    bonus: int
-    level_seconds: list[float]  # time since the cycle started, at the end of each draft level
-    record: CycleRecord
-
-
-class CycleObserver(Protocol):
-    def on_prefill(self, prompt_ids: list[int], routing: Any, first_token: int) -> None: ...
-
-    def on_cycle(self, trace: CycleTrace) -> None: ...
 
 
 @dataclass
@@ -66,56 +48,51 @@ class Engine:
     """An offloaded MoE target plus its drafter, selector, cost model, predictor and expert cache.
 
     Building an Engine replaces the model's experts modules with offloaded ones (the model is
-    modified in place) and moves the rest of the model to ``device``.
+    modified in place) and moves the rest of the model to ``device``. A drafter, selector or cache
+    left out gets the defaults :func:`specfit.api.default_parts` builds (drafter ``none``, selector
+    ``eagle3``, cache ``lru``), as ``specfit.build`` does.
     """
 
     def __init__(
         self,
         model: nn.Module,
         *,
-        cache: Any = None,
+        cache: ExpertCache | None = None,
         copy: str | CopyEngine = "torch",
         link: LinkSettings | None = None,
-        drafter: Any = None,
-        selector: Any = None,
-        cost_model: Any = None,
-        predictor: Any = None,
+        drafter: Drafter | None = None,
+        selector: Selector | None = None,
+        cost_model: CostModel | None = None,
+        predictor: ExpertPredictor | None = None,
         tokenizer: Any = None,
         device: str | torch.device | None = None,
         sampling: SamplingParams | None = None,
         max_new_tokens: int = 64,
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
-        draft_head: str | None = None,
         info: dict[str, Any] | None = None,
         max_model_len: int | None = None,
     ) -> None:
-        from specfit.registry import get_plugins
-
-        builtin = get_plugins()
         check_engine_args(model, max_new_tokens, sampling)
+        if drafter is None or selector is None or cache is None:
+            from specfit.api import default_parts  # the one place that names the defaults
+
+            defaults = default_parts(drafter=drafter, selector=selector, cache=cache)
+            drafter, selector, cache = defaults["drafter"], defaults["selector"], defaults["cache"]
+        check_parts({"drafter": drafter, "selector": selector, "cost_model": cost_model, "predictor": predictor,
+                     "cache": cache})
         self.device = device_arg(device) if device is not None else default_device()
         self.copy_engine = copy if not isinstance(copy, str) else make_copy_engine(copy, self.device, link)
-        cache = cache if cache is not None else builtin["cache"].get("lru").cls()
         self.runtime = OffloadRuntime(model, cache, self.copy_engine, self.device)
         model.to(self.device).eval()
         self.model = model
         self.spec = self.runtime.spec
         self.target = Target(model, self.runtime)
-        self.target.draft_head = draft_head  # the model's own EAGLE-3 head, for drafters without one
         self.tokenizer = tokenizer
-        self.drafter = drafter if drafter is not None else builtin["drafter"].get("none").cls()
-        self.selector = selector if selector is not None else builtin["selector"].get("eagle3").cls()
+        self.drafter = drafter
+        self.selector = selector
         self.cost_model = cost_model
         self.predictor = predictor
-        for kind, part in (("drafter", self.drafter), ("selector", self.selector), ("cost_model", cost_model),
-                           ("predictor", predictor), ("cache", self.runtime.policy)):
-            if part is not None:
-                check_plugin_instance(kind, part)
-        for needed in getattr(self.selector, "requires", ()):  # e.g. cost-aware selectors: cost_model, predictor
-            if getattr(self, needed) is None:
-                raise ConfigError(f"selector={self.selector.name} needs a {needed}: set {needed}=..."
-                                  f" (e.g. {'cost_model=union' if needed == 'cost_model' else 'predictor=history'})")
         # Plug-ins are called through specfit.core.guard: their errors and bad values name them.
         guard.call("drafter", self.drafter, "bind", self.target)
         self.target.feature_layers = guard.feature_layers(self.drafter, getattr(model.config, "num_hidden_layers", None))
@@ -127,10 +104,6 @@ class Engine:
             guard.call("cost_model", cost_model, "bind", self.spec)
         if predictor is not None:
             guard.call("predictor", predictor, "bind", self.target)
-        self.observers: list[CycleObserver] = []
-        # Commit at most this many accepted draft tokens per cycle (None: all). Trace recording
-        # sets 0 to visit every position of the greedy output; greedy decoding only.
-        self.accept_limit: int | None = None
         self.sampling = sampling or SamplingParams()
         self.max_new_tokens = max_new_tokens
         # prompt + output never exceed this (None: the model states no limit)
@@ -155,11 +128,28 @@ class Engine:
         prompt: str | Sequence[int],
         max_new_tokens: int | None = None,
         sampling: SamplingParams | None = None,
+        *,
+        selector: Selector | None = None,
+        predict: bool = True,
+        observers: Sequence[CycleObserver] = (),
+        accept_limit: int | None = None,
     ) -> GenerationOutput:
-        """Decode from ``prompt`` (text needs a tokenizer; token ids always work)."""
+        """Decode from ``prompt`` (text needs a tokenizer; token ids always work).
+
+        Trace recording and calibration decode with their own settings, passed here rather than
+        set on the engine: ``selector`` replaces the engine's for this call (already bound to
+        ``engine.spec``), ``predict=False`` runs without the predictor, ``observers`` see every
+        cycle, and ``accept_limit`` commits at most that many draft tokens per cycle (greedy only).
+        """
         ids = self.check_prompt(prompt)
         limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         check_engine_args(self.model, limit, sampling)
+        predictor = self.predictor if predict else None
+        selector = self.selector if selector is None else selector
+        if selector is not self.selector or predictor is not self.predictor:  # checked as the engine's own are
+            check_parts({"selector": selector, "cost_model": self.cost_model, "predictor": predictor})
+        cycle = Cycle(LiveVerifier(self), self.spec, selector, predictor, self.cost_model, accept_limit,
+                      tuple(observers), self.stop_token_ids)
         sampler = Sampler(sampling or self.sampling)
         stats = RunStats(prompt_tokens=len(ids), info=dict(self.info))
         out: list[int] = []
@@ -168,9 +158,9 @@ class Engine:
             prefill = self.target.prefill(ids)
             out.append(sampler.token(prefill.logits[-1], 0))
             guard.call("drafter", self.drafter, "start", ids, prefill.features, out[-1])
-            if self.predictor is not None:
-                guard.call("predictor", self.predictor, "observe", ids, prefill.routing)  # the prompt's routing: a free warm start
-            for observer in self.observers:
+            if predictor is not None:
+                guard.call("predictor", predictor, "observe", ids, prefill.routing)  # the prompt's routing: a free warm start
+            for observer in cycle.observers:
                 observer.on_prefill(ids, prefill.routing, out[-1])
             stats.prefill_seconds = _now(self.device) - start
             decode_start = self.runtime.stats.copy()
@@ -180,9 +170,8 @@ class Engine:
                 if room <= 0:
                     break
                 sampler.position = len(out)  # the output index of the first token this cycle decides
-                record, tokens = self._cycle(out[-1], sampler, context_room)
-                tokens = self._truncate(tokens, room)
-                record.committed = len(tokens)
+                record, tokens = cycle.run(out[-1], sampler, self.drafter.depth, self.drafter.total_tokens,
+                                           room=context_room, max_commit=room)
                 out.extend(tokens)
                 stats.cycles.append(record)
             stats.total_seconds = _now(self.device) - start
@@ -217,97 +206,6 @@ class Engine:
         this room keep every verified token inside the context."""
         return None if self.max_model_len is None else self.max_model_len - sequence_tokens
 
-    # ------------------------------------------------------------------ one cycle
-
-    def _cycle(self, root: int, sampler: Sampler, room: int | None = None) -> tuple[CycleRecord, list[int]]:
-        """One draft-select-verify cycle; ``room``: the deepest draft level the context has room for."""
-        t0 = _now(self.device)
-        tree = DraftTree(root_token=root)
-        selection = Selection(nodes=[])
-        select_seconds = 0.0
-        level_seconds: list[float] = []
-        levels = guard.drafted_levels(self.drafter, tree, self._vocab) if should_draft(self.selector) else iter(())
-        for level in levels:
-            if self.predictor is not None:
-                guard.call("predictor", self.predictor, "predict", tree, level)
-                guard.check_predicted_experts(self.predictor, tree, level, self.spec.num_layers, self.spec.top_k,
-                                              self.spec.num_experts)
-            t_sel = _now(self.device)
-            level_seconds.append(t_sel - t0 - select_seconds)
-            ctx = SelectionContext(
-                resident=self.runtime.resident(),
-                draft_seconds=t_sel - t0,  # everything this cycle has spent so far
-                max_depth=self.drafter.depth if room is None else min(self.drafter.depth, room),
-                max_nodes=self.drafter.total_tokens,
-                cost_model=self.cost_model,
-            )
-            selection = guard.check_selection(self.selector, tree, guard.call("selector", self.selector, "select", tree, ctx))
-            select_seconds += _now(self.device) - t_sel
-            if selection.stop or (room is not None and tree.depth >= room):  # never draft past the context
-                break
-        if hasattr(levels, "close"):
-            levels.close()  # the drafter tidies up (drops its tree KV) now, not when garbage-collected
-        t_verify = _now(self.device)
-        draft_seconds = t_verify - t0 - select_seconds
-
-        block = verify_block(tree, selection.nodes)  # checked by guard.check_selection
-        before = self.runtime.stats.copy()
-        prefix = self.target.kv_len
-        result = self.target.verify(block)
-        acc = accept(block, result.logits, sampler)
-        if self.accept_limit is not None and len(acc.path) > self.accept_limit:
-            if not sampler.params.greedy:
-                raise ConfigError("accept_limit (trace recording) needs greedy decoding")
-            path = acc.path[: self.accept_limit]
-            acc = Acceptance(path, int(torch.argmax(result.logits[path[-1] if path else 0])))
-        kept = [0] + acc.path
-        self.target.keep(prefix, kept)
-        verify_seconds = _now(self.device) - t_verify
-        during = self.runtime.stats.since(before)
-
-        kept_tokens = [block.tokens[p] for p in kept]
-        features = result.features[kept] if result.features is not None else None
-        guard.call("drafter", self.drafter, "commit", kept_tokens, features, acc.bonus)
-        if sampler.params.greedy:
-            tree.greedy_next = acc.bonus
-        guard.call("selector", self.selector, "observe", tree, selection.nodes, [block.nodes[p - 1] for p in acc.path])
-        if self.predictor is not None:
-            guard.call("predictor", self.predictor, "observe", kept_tokens, result.routing[kept])
-        quality = prediction_overlap(tree, block, result.routing)
-        record = CycleRecord(
-            drafted=len(tree),
-            levels=tree.depth,
-            verified=len(block) - 1,
-            accepted=len(acc.path),
-            committed=len(acc.path) + 1,
-            draft_seconds=draft_seconds,
-            select_seconds=select_seconds,
-            verify_seconds=verify_seconds,
-            h2d_seconds=during.h2d_seconds,
-            total_seconds=_now(self.device) - t0,
-            misses=during.misses,
-            hits=during.hits,
-            union=[int(u) for u in during.union_sum],
-            predicted=dict(selection.predicted),
-            prediction=quality,
-        )
-        if self.cost_model is not None:
-            guard.call("cost_model", self.cost_model, "observe", record)
-        report_time(self.selector, record.levels > 0, record.committed, record.total_seconds)
-        if self.observers:
-            trace = CycleTrace(tree, block, result.logits.argmax(dim=-1).tolist(), result.routing, acc.path, acc.bonus,
-                               level_seconds, record)
-            for observer in self.observers:
-                observer.on_cycle(trace)
-        return record, kept_tokens[1:] + [acc.bonus]
-
-    def _truncate(self, tokens: list[int], room: int) -> list[int]:
-        tokens = tokens[:room]
-        for i, t in enumerate(tokens):
-            if t in self.stop_token_ids:
-                return tokens[: i + 1]
-        return tokens
-
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -318,6 +216,60 @@ class Engine:
         if not ids:
             raise ConfigError("the prompt is empty")
         return token_ids("prompt", ids, self.model.config.vocab_size)
+
+
+class LiveVerifier:
+    """The cycle's verifier for live decoding: the drafter grows the tree, the target (through the
+    offload runtime) verifies it, and every time is the wall clock's."""
+
+    measured = True
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.device = engine, engine.device
+        self.target, self.runtime, self.drafter = engine.target, engine.runtime, engine.drafter
+        self._result: PassOutput | None = None
+        self._prefix = 0
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return {}
+
+    def now(self) -> float:
+        return _now(self.device)
+
+    def levels(self, tree: DraftTree) -> Iterator[range]:
+        return guard.drafted_levels(self.drafter, tree, self.engine._vocab)
+
+    def draft_seconds(self, levels: int, elapsed: float, overhead: float) -> float:
+        return elapsed  # everything this cycle has spent so far
+
+    def resident(self) -> np.ndarray:
+        return self.runtime.resident()
+
+    def verify(self, block: VerifyBlock) -> Verdict:
+        before = self.runtime.stats.copy()
+        self._prefix = self.target.kv_len
+        self._result = result = self.target.verify(block)
+        during = self.runtime.stats.since(before)
+        return Verdict(result.routing, during.misses, during.hits, [int(u) for u in during.union_sum],
+                       during.h2d_seconds)
+
+    def token_after(self, block: VerifyBlock, pos: int, sampler: Sampler) -> int:
+        return sampler.token(self._result.logits[pos], sampler.position + block.depths[pos])
+
+    def keep(self, block: VerifyBlock, path: list[int], bonus: int) -> tuple[list[int], bool]:
+        self.target.keep(self._prefix, [0] + path)
+        return path, False
+
+    def commit(self, tokens: list[int], kept: list[int], bonus: int) -> None:
+        features = self._result.features[kept] if self._result.features is not None else None
+        guard.call("drafter", self.drafter, "commit", tokens, features, bonus)
+
+    def argmax(self) -> list[int]:
+        return self._result.logits.argmax(dim=-1).tolist()
+
+    def times(self, measured: CycleTimes, levels: int, verified: int, verdict: Verdict, overhead: float) -> CycleTimes:
+        return measured
 
 
 def context_limit(config: Any, override: int | None = None) -> int | None:
@@ -348,20 +300,6 @@ def _native_context(config: Any) -> int | None:
         return native
     base = rope.get("original_max_position_embeddings", native) if kind == "yarn" else native
     return int(base * rope["factor"])
-
-
-def should_draft(selector: Any) -> bool:
-    """Selectors may skip drafting for a cycle (``should_draft``, optional): the root alone is verified."""
-    if getattr(selector, "should_draft", None) is None:
-        return True
-    answer = guard.call("selector", selector, "should_draft")
-    return guard.check_flag("selector", selector, "should_draft", answer, "the answer")
-
-
-def report_time(selector: Any, drafted: bool, committed: int, seconds: float) -> None:
-    """Selectors may learn from each finished cycle's time (``observe_time``, optional)."""
-    if getattr(selector, "observe_time", None) is not None:
-        guard.call("selector", selector, "observe_time", drafted, committed, seconds)
 
 
 def _eos_ids(model: nn.Module, tokenizer: Any) -> set[int]:

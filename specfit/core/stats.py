@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -62,8 +62,9 @@ class RunStats:
     finish_reason: str = "length"  # "stop" (a stop token) | "length" (max_new_tokens or the context limit)
 
     def summary(self) -> dict[str, Any]:
+        """:func:`cycle_summary` of the cycles, with the cache's own counts (decode phase) and the
+        measured times."""
         cycles = self.cycles
-        n = max(len(cycles), 1)
         decode_seconds = self.total_seconds - self.prefill_seconds
         cache = self.cache
         union = cache.union_per_layer() if cache is not None else np.zeros(0)
@@ -76,14 +77,9 @@ class RunStats:
             "output_throughput": self.output_tokens / self.total_seconds if self.total_seconds > 0 else 0.0,
             "decode_throughput": (self.output_tokens - 1) / decode_seconds if decode_seconds > 0 else 0.0,
             "mean_tpot_ms": 1e3 * decode_seconds / max(self.output_tokens - 1, 1),
-            "cycles": len(cycles),
-            "spec_decode_acceptance_length": sum(c.committed for c in cycles) / n,
-            "num_drafts": sum(1 for c in cycles if c.drafted),
-            "draft_tokens": sum(c.drafted for c in cycles),
-            "draft_tokens_per_cycle": sum(c.drafted for c in cycles) / n,
-            "verified_nodes": sum(c.verified for c in cycles),
-            "verified_nodes_per_cycle": sum(c.verified for c in cycles) / n,
-            "accepted_tokens": sum(c.accepted for c in cycles),
+            **cycle_summary(cycles),
+            # the cache's counts equal the cycles' sums (one pass per cycle); a run without cycles
+            # still reports its layers
             "expert_cache_hits": cache.hits if cache else 0,
             "expert_cache_misses": cache.misses if cache else 0,
             "expert_cache_hit_rate": cache.hits / max(cache.hits + cache.misses, 1) if cache else 0.0,
@@ -99,7 +95,39 @@ class RunStats:
         }
 
 
-def _prediction_summary(cycles: list[CycleRecord]) -> dict[str, Any]:
+def cycle_summary(cycles: Sequence[CycleRecord]) -> dict[str, Any]:
+    """The per-cycle keys of a live run and of a trace replay, with one meaning each (vLLM's and
+    Spec-Bench's names where they exist).
+
+    ``spec_decode_acceptance_length``: tokens committed per verification cycle, the bonus token
+    included (vLLM's meaning; 1.0 for autoregressive decoding); ``tokens_per_cycle`` is the same
+    number under the replay table's name."""
+    n = max(len(cycles), 1)
+    committed = sum(c.committed for c in cycles)
+    hits, misses = sum(c.hits for c in cycles), sum(c.misses for c in cycles)
+    union = np.mean([c.union for c in cycles], axis=0) if cycles else np.zeros(0)
+    return {
+        "cycles": len(cycles),
+        "decode_tokens": committed,
+        "spec_decode_acceptance_length": committed / n,
+        "tokens_per_cycle": committed / n,
+        "num_drafts": sum(1 for c in cycles if c.drafted),
+        "draft_tokens": sum(c.drafted for c in cycles),
+        "draft_tokens_per_cycle": sum(c.drafted for c in cycles) / n,
+        "draft_levels_per_cycle": sum(c.levels for c in cycles) / n,
+        "verified_nodes": sum(c.verified for c in cycles),
+        "verified_nodes_per_cycle": sum(c.verified for c in cycles) / n,
+        "accepted_tokens": sum(c.accepted for c in cycles),
+        "expert_cache_hits": hits,
+        "expert_cache_misses": misses,
+        "expert_cache_hit_rate": hits / max(hits + misses, 1),
+        "experts_per_layer_union": float(union.mean()) if union.size else 0.0,
+        "experts_per_layer_union_by_layer": [round(float(u), 3) for u in union],
+        **_prediction_summary(cycles),
+    }
+
+
+def _prediction_summary(cycles: Sequence[CycleRecord]) -> dict[str, Any]:
     scored = [c.prediction for c in cycles if c.prediction is not None]
     if not scored:
         return {}

@@ -47,9 +47,6 @@ class CandidateUnionSelector(SelectorBase):
         self._union.update(self._chain.select(tree, ctx).nodes)
         return Selection(nodes=sorted(self._union))
 
-    def observe(self, tree: DraftTree, verified: Any, accepted: Any) -> None:
-        pass
-
 
 class _SequenceBuilder:
     """Collects one prompt's cycles into the flat arrays of a :class:`TraceSequence`."""

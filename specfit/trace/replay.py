@@ -1,13 +1,15 @@
 """Exact replay of a trace: any selector, cache policy and cost model, without the target's passes.
 
 Under greedy decoding the committed sequence is fixed; only the cycle boundaries depend on the
-selector (docs/method.md section 7). The replay walks a recorded sequence as the engine would: at the
-current position it rebuilds the recorded tree level by level, runs the predictor and the selector
-after each level (with the simulated cache's residency and the recorded or modelled draft time),
-reads the accepted path off the recorded argmaxes, charges the cost model's time for the cache
+selector (docs/method.md section 7). The replay runs the engine's own cycle
+(:class:`specfit.core.cycle.Cycle`) against a :class:`TraceVerifier`, a verifier that answers from
+the trace: at the current position it rebuilds the recorded tree level by level (the cycle runs
+the predictor and the selector after each, with the simulated cache's residency and the measured
+or modelled draft time), reads the target's tokens off the recorded argmaxes, counts the cache
 hits and misses that the real cache policy (driven through
-:func:`specfit.core.offload.admission_rounds`) has on the recorded routing, feeds the selector and
-predictor what the engine would, and moves on by accepted + 1 tokens.
+:func:`specfit.core.offload.admission_rounds`) has on the recorded routing, and charges the cost
+model's time for them; the cycle feeds the selector and predictor what the engine would, and the
+replay moves on by the tokens committed.
 
 The replayed tree is the drafted tree, node for node, so selectors and predictors see what they
 saw live. The target's verdict is known for the recorded candidates (every level's ``total_tokens``
@@ -21,43 +23,48 @@ import math
 import time
 from dataclasses import dataclass, field
 from numbers import Real
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from specfit.core import guard
 from specfit.core.calibration import CostConstants, load_constants
-from specfit.core.engine import report_time, should_draft
+from specfit.core.cycle import Cycle, CycleTimes, Verdict, check_parts
 from specfit.core.offload import admission_rounds, bind_cache, cache_preload, cache_resident
-from specfit.core.stats import prediction_overlap
-from specfit.core.tree import DraftTree, VerifyBlock, verify_block
+from specfit.core.sampling import Sampler, SamplingParams
+from specfit.core.stats import CycleRecord, cycle_summary
+from specfit.core.tree import DraftTree, VerifyBlock
 from specfit.errors import ConfigError, SpecfitError
-from specfit.interfaces import Selection, SelectionContext
-from specfit.registry import check_plugin_instance
 from specfit.trace.format import ACCEPTED_KEY, Trace, TraceError, TracePosition, TraceSequence
 
-DRAFT_TIMES = ("recorded", "modelled")
+# ``replay.draft_time``, the selector's vocabulary: D measured (the recorded drafting time plus the
+# predictor and selector time measured here) or modelled (the calibration's c_draft0 + c_level d).
+DRAFT_TIMES = ("measured", "modelled")
+DRAFT_TIME_ALIASES = {"recorded": "measured"}  # the earlier name, still accepted
+
+
+def draft_time_mode(value: str) -> str:
+    """``replay.draft_time`` in the current vocabulary (``recorded`` is ``measured``); one line otherwise."""
+    mode = DRAFT_TIME_ALIASES.get(value, value)
+    if mode not in DRAFT_TIMES:
+        raise ConfigError(f"replay.draft_time={value!r} must be one of {', '.join(DRAFT_TIMES)} "
+                          f"(recorded: the earlier name of measured)")
+    return mode
 
 
 @dataclass
-class ReplayCycle:
-    """One replayed cycle; the fields mirror :class:`specfit.core.stats.CycleRecord` where they exist."""
+class ReplayCycle(CycleRecord):
+    """One replayed cycle: the engine's :class:`CycleRecord` (its times charged by the cost model:
+    ``draft_seconds`` is D, drafting and selection; ``total_seconds`` the cycle) and where it ran."""
 
-    sequence: int
-    position: int  # index of the root in the sequence's output
-    levels: int
-    drafted: int
-    verified: int
-    accepted: int
-    committed: int
-    misses: int
-    hits: int
-    union: float  # mean experts per layer in the verification pass
-    draft_seconds: float  # D: drafting and selection (recorded + measured here, or modelled)
-    seconds: float  # the cost model's cycle time
-    predicted: dict[str, float] = field(default_factory=dict)
-    prediction: tuple[int, int, int] | None = None
-    diverged: bool = False
+    sequence: int = 0
+    position: int = 0  # index of the root in the sequence's output
+    diverged: bool = False  # a tree pass disagreed with the recorded output: the path was cut there
+
+    @property
+    def seconds(self) -> float:
+        """The cost model's cycle time."""
+        return self.total_seconds
 
 
 @dataclass
@@ -80,12 +87,12 @@ class ReplayResult:
         return [c.committed for c in self.cycles if c.sequence == sequence]
 
     def summary(self) -> dict[str, Any]:
+        """:func:`specfit.core.stats.cycle_summary` (the keys a live run reports, same meanings) and
+        the replay's own: the cost model's seconds, divergences, the replay's speed."""
         cycles = self.cycles
-        n = max(len(cycles), 1)
+        seconds = sum(c.total_seconds for c in cycles)
         tokens = sum(c.committed for c in cycles)
-        seconds = sum(c.seconds for c in cycles)
-        hits, misses = sum(c.hits for c in cycles), sum(c.misses for c in cycles)
-        out: dict[str, Any] = {
+        return {
             "method": self.method,
             "selector": self.selector,
             "predictor": self.predictor,
@@ -93,30 +100,13 @@ class ReplayResult:
             "cache_slots_per_layer": self.slots_per_layer,
             "draft_time": self.draft_time,
             "positions": self.positions,
-            "cycles": len(cycles),
-            "decode_tokens": tokens,
-            "tokens_per_cycle": tokens / n,
-            "spec_decode_acceptance_length": sum(c.accepted + 1 for c in cycles) / n,
-            "verified_nodes": sum(c.verified for c in cycles),
-            "verified_nodes_per_cycle": sum(c.verified for c in cycles) / n,
-            "draft_levels_per_cycle": sum(c.levels for c in cycles) / n,
-            "draft_tokens_per_cycle": sum(c.drafted for c in cycles) / n,
-            "expert_cache_hits": hits,
-            "expert_cache_misses": misses,
-            "expert_cache_hit_rate": hits / max(hits + misses, 1),
-            "experts_per_layer_union": sum(c.union for c in cycles) / n,
+            **cycle_summary(cycles),
             "predicted_seconds": seconds,
             "predicted_tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
             "divergences": sum(c.diverged for c in cycles),
             "replay_seconds": self.wall_seconds,
             "replay_positions_per_second": self.positions / self.wall_seconds if self.wall_seconds > 0 else 0.0,
         }
-        scored = [c.prediction for c in cycles if c.prediction is not None]
-        if scored:
-            correct, predicted, routed = (sum(x[i] for x in scored) for i in range(3))
-            out["predictor_precision"] = correct / predicted if predicted else 0.0
-            out["predictor_recall"] = correct / routed if routed else 0.0
-        return out
 
 
 class RecordedRouting:
@@ -189,200 +179,182 @@ def model_loader(trace: Trace, model_cfg: Any = None) -> Callable[[], Any]:
 
 
 def replay(trace: Trace, selector: Any, cache: Any, cost_model: Any, predictor: Any = None, *,
-           draft_time: str = "recorded", model: Any = None, method: str | None = None,
+           draft_time: str = "measured", model: Any = None, method: str | None = None,
            max_cycles: int | None = None) -> ReplayResult:
     """Replay ``trace`` with these plugin instances (fresh ones: they are bound and keep state).
 
-    ``draft_time``: ``recorded`` charges each cycle the recorded drafting time up to the level it
-    stopped at plus the predictor and selector time measured here; ``modelled`` charges the
-    calibration's ``c_draft0 + c_level * levels`` (and hands selectors that value), so the whole
-    replay depends on no clock. ``model`` is the target (or a function loading it) for predictors
-    that read its weights; by default the trace's model is loaded when first needed.
-    ``max_cycles`` stops early (a warm-up: the first selection in a process may compile code, and
-    a recorded-time replay would charge that as selection time).
+    ``draft_time``: ``measured`` (``recorded``, its earlier name, is accepted) charges each cycle
+    the recorded drafting time up to the level it stopped at plus the predictor and selector time
+    measured here; ``modelled`` charges the calibration's ``c_draft0 + c_level * levels`` (and hands
+    selectors that value), so the whole replay depends on no clock. ``model`` is the target (or a
+    function loading it) for predictors that read its weights; by default the trace's model is
+    loaded when first needed. ``max_cycles`` stops early (a warm-up: the first selection in a
+    process may compile code, and a measured-time replay would charge that as selection time).
     """
-    if draft_time not in DRAFT_TIMES:
-        raise ConfigError(f"replay.draft_time={draft_time!r} must be one of {', '.join(DRAFT_TIMES)}")
-    return _Replayer(trace, selector, cache, cost_model, predictor, draft_time,
-                     model if model is not None else model_loader(trace), method).run(max_cycles)
+    mode = draft_time_mode(draft_time)
+    check_parts({"selector": selector, "cache": cache, "cost_model": cost_model, "predictor": predictor})
+    if cost_model is None:
+        raise ConfigError("replay charges each cycle the cost model's time: set cost_model=union")
+    spec = trace.meta.moe_spec()
+    # Plug-ins are called through specfit.core.guard, in the engine's order: selector, cost model, predictor, cache.
+    guard.call("selector", selector, "bind", spec)
+    guard.call("cost_model", cost_model, "bind", spec)
+    verifier = TraceVerifier(trace, cache, _constants(cost_model, trace), mode,
+                             model if model is not None else model_loader(trace))
+    if predictor is not None:
+        guard.call("predictor", predictor, "bind", verifier.target)
+    verifier.bind_cache()
+    verifier.selector_name = guard.plugin_name(selector)
+    cycle = Cycle(verifier, spec, selector, predictor, cost_model)
+    start = time.perf_counter()
+    cycles = verifier.run(cycle, max_cycles)
+    return ReplayResult(
+        method=method or selector.name,
+        selector=selector.name,
+        predictor=predictor.name if predictor is not None else None,
+        cache=cache.name,
+        slots_per_layer=verifier.slots,
+        draft_time=mode,
+        cycles=cycles,
+        positions=trace.positions,
+        wall_seconds=time.perf_counter() - start,
+        constants=verifier.constants.to_json(),
+    )
 
 
-class _Replayer:
-    def __init__(self, trace: Trace, selector: Any, cache: Any, cost_model: Any, predictor: Any, draft_time: str,
-                 model: Any, method: str | None) -> None:
-        self.trace, self.selector, self.cache = trace, selector, cache
-        self.cost_model, self.predictor, self.draft_time = cost_model, predictor, draft_time
-        parts = {"selector": selector, "cache": cache, "cost_model": cost_model, "predictor": predictor}
-        for kind, part in parts.items():
-            if part is not None:
-                check_plugin_instance(kind, part)
-        if cost_model is None:
-            raise ConfigError("replay charges each cycle the cost model's time: set cost_model=union")
-        for needed in getattr(selector, "requires", ()):  # as the engine checks
-            if parts.get(needed) is None:
-                raise ConfigError(f"selector={selector.name} needs a {needed}: set {needed}=... (e.g. predictor=history)")
-        self.spec = spec = trace.meta.moe_spec()
+class TraceVerifier:
+    """The cycle's verifier for a replay: the recorded tree is the drafter, the recorded argmaxes
+    are the target's verdict, the real cache policy runs on the recorded routing, and each cycle
+    is charged the cost model's time."""
+
+    measured = False  # charged times: a cost model does not learn from them
+
+    def __init__(self, trace: Trace, cache: Any, constants: CostConstants, draft_time: str, model: Any) -> None:
+        self.trace, self.cache, self.constants, self.draft_time = trace, cache, constants, draft_time
+        self.spec = trace.meta.moe_spec()
         self.max_depth = int(trace.meta.drafter.get("depth", 0))
         self.max_nodes = int(trace.meta.drafter.get("total_tokens", 0))
-        # Plug-ins are called through specfit.core.guard, as the engine calls them.
-        guard.call("selector", selector, "bind", spec)
-        guard.call("cost_model", cost_model, "bind", spec)
-        self.constants = _constants(cost_model, trace)
-        self.target = ReplayTarget(spec, model)
-        if predictor is not None:
-            guard.call("predictor", predictor, "bind", self.target)
-        self.slots = bind_cache(cache, spec)
+        self.target = ReplayTarget(self.spec, model)
+        self.now = time.perf_counter
+        self.extra: dict[str, Any] = {}
+        self.slots = 0
+        self.slot_expert = np.zeros((0, 0), dtype=np.int64)
+        self.where = ""
+        self.selector_name = ""  # for errors
+        self.rec: TracePosition | None = None
+        self.output: np.ndarray = np.zeros(0, dtype=np.int32)
+        self.start = 0
+        self._rows = np.zeros(0, dtype=np.int64)
+        self.diverged = False
+
+    def bind_cache(self) -> None:
+        """Bind the cache policy and apply its preload, checked as the offload runtime checks it."""
+        spec = self.spec
+        self.slots = bind_cache(self.cache, spec)
         self.slot_expert = np.full((spec.num_layers, self.slots), -1, dtype=np.int64)
-        for layer, loads in cache_preload(cache, spec, self.slots).items():
+        for layer, loads in cache_preload(self.cache, spec, self.slots).items():
             for expert, slot in loads:
                 self.slot_expert[layer, slot] = expert
-        self.method = method or selector.name
-        self.cycles: list[ReplayCycle] = []
 
-    def run(self, max_cycles: int | None = None) -> ReplayResult:
-        self.max_cycles = max_cycles
-        start = time.perf_counter()
-        for i, seq in enumerate(self.trace.sequences):
-            self._sequence(i, seq)
-        return ReplayResult(
-            method=self.method,
-            selector=self.selector.name,
-            predictor=self.predictor.name if self.predictor is not None else None,
-            cache=self.cache.name,
-            slots_per_layer=self.slots,
-            draft_time=self.draft_time,
-            cycles=self.cycles,
-            positions=self.trace.positions,
-            wall_seconds=time.perf_counter() - start,
-            constants=self.constants.to_json(),
-        )
+    # ------------------------------------------------------------------ the replayed decode
 
-    # ------------------------------------------------------------------ the decode loop, replayed
+    def run(self, cycle: Cycle, max_cycles: int | None) -> list[ReplayCycle]:
+        """Every sequence of the trace through ``cycle``; stops after ``max_cycles`` cycles."""
+        sampler = Sampler(SamplingParams())  # traces are greedy: the tokens come from the recorded argmaxes
+        done: list[ReplayCycle] = []
+        for index, seq in enumerate(self.trace.sequences):
+            self._pass(seq.prefill_routing)  # the prefill goes through the cache too (not counted)
+            if cycle.predictor is not None:  # as the engine does: the prompt's routing is a free warm start
+                guard.call("predictor", cycle.predictor, "observe", seq.prompt.tolist(),
+                           seq.prefill_routing.astype(np.int64))
+            self.output = output = seq.output
+            pos = 0  # the root's index in the output (the first token comes from the prefill)
+            while pos + 1 < len(output):
+                if max_cycles is not None and len(done) >= max_cycles:
+                    return done
+                self._at(index, seq, pos)
+                sampler.position = pos + 1
+                record, tokens = cycle.run(self.rec.root, sampler, self.max_depth, self.max_nodes,
+                                           max_commit=len(output) - pos - 1)
+                done.append(ReplayCycle(**vars(record), sequence=index, position=pos, diverged=self.diverged))
+                pos += len(tokens)
+        return done
 
-    def _sequence(self, index: int, seq: TraceSequence) -> None:
-        self._pass(seq.prefill_routing)  # the prefill goes through the cache too (not counted)
-        if self.predictor is not None:  # as the engine does: the prompt's routing is a free warm start
-            guard.call("predictor", self.predictor, "observe", seq.prompt.tolist(), seq.prefill_routing.astype(np.int64))
-        output = seq.output
-        done = 1  # output tokens committed (the first comes from the prefill)
-        while done < len(output):
-            if self.max_cycles is not None and len(self.cycles) >= self.max_cycles:
-                return
-            done += self._cycle(index, seq.position(done - 1), done - 1, output)
-
-    def _cycle(self, index: int, rec: TracePosition, pos: int, output: np.ndarray) -> int:
-        tree = DraftTree(root_token=rec.root)
-        selection = Selection(nodes=[])
-        overhead = 0.0  # predictor and selector time measured here
-        full_path = rec.accepted_path()
+    def _at(self, index: int, seq: TraceSequence, pos: int) -> None:
+        self.rec = rec = seq.position(pos)
         self.target.trace_routing.position = rec
-        levels = 0
-        for d in range(1, (rec.levels if should_draft(self.selector) else 0) + 1):
-            nodes = rec.level(d)
-            part = slice(nodes.start, nodes.stop)
-            level = tree.add_level(rec.parents[part].tolist(), rec.tokens[part].tolist(), rec.log_probs[part].tolist())
-            levels = d
-            t0 = time.perf_counter()
-            if self.predictor is not None:
-                guard.call("predictor", self.predictor, "predict", tree, level)
-                guard.check_predicted_experts(self.predictor, tree, level, self.spec.num_layers, self.spec.top_k,
-                                              self.spec.num_experts)
-            t_sel = time.perf_counter()
-            overhead += t_sel - t0
-            ctx = SelectionContext(
-                resident=cache_resident(self.cache, self.spec),
-                draft_seconds=self._draft_seconds(rec, d, overhead),
-                max_depth=self.max_depth,
-                max_nodes=self.max_nodes,
-                cost_model=self.cost_model,
-                extra={ACCEPTED_KEY: full_path},
-            )
-            selection = guard.check_selection(self.selector, tree, guard.call("selector", self.selector, "select", tree, ctx))
-            overhead += time.perf_counter() - t_sel
-            if selection.stop:
-                break
+        self.extra = {ACCEPTED_KEY: rec.accepted_path()}  # for the oracle selector
+        self.where, self.start = f"position {pos} of sequence {index}", pos + 1
 
-        block = verify_block(tree, selection.nodes)  # checked by guard.check_selection
+    # ------------------------------------------------------------------ the Verifier protocol
+
+    def levels(self, tree: DraftTree) -> Iterator[range]:
+        rec = self.rec
+        for d in range(1, rec.levels + 1):
+            part = rec.level(d)
+            yield tree.add_level(rec.parents[part].tolist(), rec.tokens[part].tolist(), rec.log_probs[part].tolist())
+
+    def draft_seconds(self, levels: int, elapsed: float, overhead: float) -> float:
+        """D after ``levels`` levels: recorded drafting plus the time measured here, or modelled."""
+        if self.draft_time == "modelled":
+            return self.constants.c_draft0 + self.constants.c_level * levels
+        return (float(self.rec.level_seconds[levels - 1]) if levels else 0.0) + overhead
+
+    def resident(self) -> np.ndarray:
+        return cache_resident(self.cache, self.spec)
+
+    def verify(self, block: VerifyBlock) -> Verdict:
+        rec = self.rec
         rows = rec.rows(block.nodes)
         if np.any(rows < 0):
             unknown = [v for v, r in zip(block.nodes, rows) if r < 0]
             raise TraceError(
-                f"selector '{self.selector.name}' chose nodes {unknown[:5]} at position {pos} of sequence {index}, "
-                f"which the recording did not verify (it verifies each level's {self.max_nodes} best nodes by "
-                f"path probability and the most likely chain): this selection cannot be replayed")
+                f"selector '{self.selector_name}' chose nodes {unknown[:5]} at {self.where}, which the recording did not verify "
+                f"(it verifies each level's {self.max_nodes} best nodes by path probability and the most likely "
+                f"chain): this selection cannot be replayed")
+        self._rows = rows
         routing = np.concatenate([rec.root_routing[None], rec.routing[rows]]).astype(np.int64)
-        path, bonus = _accept(block, rec, rows)
         misses, hits, union = self._pass(routing)
+        return Verdict(routing, misses, hits, union)
 
-        # Commit as the live run would: the greedy output is the ground truth of the sequence.
-        start = pos + 1
+    def token_after(self, block: VerifyBlock, pos: int, sampler: Sampler) -> int:
+        return self.rec.root_argmax if pos == 0 else int(self.rec.argmax[self._rows[pos - 1]])
+
+    def keep(self, block: VerifyBlock, path: list[int], bonus: int) -> tuple[list[int], bool]:
+        """The greedy output is the ground truth of the sequence: a path that leaves it (tree-pass
+        numerics) is cut where it does, and the cycle is marked diverged."""
+        output, start = self.output, self.start
+        self.diverged = False
         for j, p in enumerate(path):
             if start + j < len(output) and block.tokens[p] != output[start + j]:
-                path, diverged = path[:j], True  # a tree pass disagrees with the recorded output
-                break
-        else:
-            diverged = start + len(path) < len(output) and bonus != int(output[start + len(path)])
-        committed = len(output[start : start + len(path) + 1])
+                self.diverged = True
+                return path[:j], True
+        self.diverged = start + len(path) < len(output) and bonus != int(output[start + len(path)])
+        return path, self.diverged
 
-        accepted_nodes = [block.nodes[p - 1] for p in path]
-        tree.greedy_next = bonus  # traces are greedy
-        guard.call("selector", self.selector, "observe", tree, selection.nodes, accepted_nodes)
-        if self.predictor is not None:
-            kept = [0] + path
-            guard.call("predictor", self.predictor, "observe", [block.tokens[p] for p in kept], routing[kept])
-        draft = self._draft_seconds(rec, levels, overhead)
-        self.cycles.append(ReplayCycle(
-            sequence=index,
-            position=pos,
-            levels=levels,
-            drafted=len(tree),
-            verified=len(block) - 1,
-            accepted=len(path),
-            committed=committed,
-            misses=misses,
-            hits=hits,
-            union=union,
-            draft_seconds=draft,
-            seconds=self.constants.cycle_seconds(len(block) - 1, misses, hits, draft),
-            predicted=dict(selection.predicted),
-            prediction=prediction_overlap(tree, block, routing) if self.predictor is not None else None,
-            diverged=diverged,
-        ))
-        report_time(self.selector, levels > 0, committed, self.cycles[-1].seconds)  # the charged seconds
-        return committed
+    def commit(self, tokens: list[int], kept: list[int], bonus: int) -> None:
+        pass  # the recorded tree needs no drafter state
 
-    def _draft_seconds(self, rec: TracePosition, levels: int, overhead: float) -> float:
-        """D after ``levels`` levels: recorded drafting plus the time measured here, or modelled."""
-        if self.draft_time == "modelled":
-            return self.constants.c_draft0 + self.constants.c_level * levels
-        return (float(rec.level_seconds[levels - 1]) if levels else 0.0) + overhead
+    def argmax(self) -> list[int]:
+        return [int(self.rec.root_argmax)] + [int(self.rec.argmax[r]) for r in self._rows]
 
-    def _pass(self, routing: np.ndarray) -> tuple[int, int, float]:
-        """One target pass through the cache policy: (misses, hits, mean union per layer)."""
+    def times(self, measured: CycleTimes, levels: int, verified: int, verdict: Verdict, overhead: float) -> CycleTimes:
+        """The cost model's charge: D (recorded or modelled) plus the pass's time for its hits and misses."""
+        draft = self.draft_seconds(levels, 0.0, overhead)
+        return CycleTimes(draft, 0.0, 0.0, self.constants.cycle_seconds(verified, verdict.misses, verdict.hits, draft))
+
+    def _pass(self, routing: np.ndarray) -> tuple[int, int, list[int]]:
+        """One target pass through the cache policy: (misses, hits, experts per layer)."""
         guard.call("cache", self.cache, "begin_pass")
-        misses = hits = union = 0
+        misses = hits = 0
+        union: list[int] = []
         for layer in range(self.spec.num_layers):
             needed = np.unique(routing[:, layer, :]).tolist()  # ascending, as the runtime asks
-            union += len(needed)
+            union.append(len(needed))
             for admission in admission_rounds(self.cache, self.slot_expert, layer, needed):
                 misses += len(admission.loads)
                 hits += len(admission.slots) - len(admission.loads)
-        return misses, hits, union / max(self.spec.num_layers, 1)
-
-
-def _accept(block: VerifyBlock, rec: TracePosition, rows: np.ndarray) -> tuple[list[int], int]:
-    """Greedy acceptance from the recorded argmaxes (``rows``: each block node's verified row),
-    walking the block as the engine does."""
-    children = block.children()
-    path: list[int] = []
-    pos = 0
-    while True:
-        token = rec.root_argmax if pos == 0 else int(rec.argmax[rows[pos - 1]])
-        nxt = next((c for c in children[pos] if block.tokens[c] == token), None)
-        if nxt is None:
-            return path, token
-        path.append(nxt)
-        pos = nxt
+        return misses, hits, union
 
 
 def _constants(cost_model: Any, trace: Trace) -> CostConstants:

@@ -8,6 +8,8 @@ import pytest
 
 from specfit.cli import main
 from specfit.config import compose
+from specfit.errors import ConfigError
+from specfit.trace.replay import draft_time_mode
 
 COSTS = ["cost_model.c0=0.002", "cost_model.c_tok=0.0001", "cost_model.c_miss=0.0004", "cost_model.c_hit=0.00002",
          "cost_model.c_level=0.0005"]
@@ -59,7 +61,7 @@ def test_replay_single_method_with_oracle_predictor(trace_dir, tmp_path, capsys)
           f"hydra.run.dir={tmp_path}"])
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["method"] for r in rows] == ["specfit", "oracle"]
-    assert rows[0]["predictor_recall"] == 1.0 and rows[0]["draft_time"] == "recorded"
+    assert rows[0]["predictor_recall"] == 1.0 and rows[0]["draft_time"] == "measured"  # the default
 
 
 @pytest.mark.parametrize("args,message", [
@@ -88,5 +90,11 @@ def test_configs_compose_with_trace_keys():
     assert cfg.trace.path == "/x" and cfg.drafter.name == "eagle3" and cfg.cost_model.name == "union"
     cfg = compose(["trace.path=/x", "replay.draft_time=modelled", "cache.capacity=8"], config_name="replay")
     assert cfg.replay.draft_time == "modelled" and cfg.selector.name == "specfit" and cfg.predictor.name == "history"
+    # the selector's vocabulary (measured|modelled); "recorded", the earlier name of measured, still composes
+    assert compose(["trace.path=/x"], config_name="replay").replay.draft_time == "measured"
+    assert compose(["trace.path=/x", "replay.draft_time=recorded"], config_name="replay").replay.draft_time == "recorded"
+    assert draft_time_mode("recorded") == draft_time_mode("measured") == "measured"
+    with pytest.raises(ConfigError, match="replay.draft_time='wall'"):
+        draft_time_mode("wall")
     with pytest.raises(Exception, match="trace.pth"):
         compose(["trace.pth=/x"], config_name="replay")

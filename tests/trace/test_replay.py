@@ -230,12 +230,21 @@ def test_a_selection_outside_the_recorded_candidates_is_a_clear_error(traces):
         replay(traces["scripted", "lru"], EverythingSelector(), LRUCache(capacity=4), UnionCostModel(constants=CONSTANTS))
 
 
-def test_recording_restores_the_engine(references):
-    selector, predictor = TopByPathProbSelector(), HistoryPredictor()
-    engine = Engine(tiny_model(), drafter=scripted(references), selector=selector, predictor=predictor, device="cpu")
-    record(engine, PROMPTS[:1], max_new_tokens=4)
-    assert engine.selector is selector and engine.predictor is predictor
-    assert engine.accept_limit is None and engine.observers == []
+def test_recording_leaves_the_engine_untouched(references):
+    """Recording passes its selector, observer and accept limit to generate(): the engine's own parts
+    are neither swapped nor fed (its predictor learns nothing from the recording)."""
+    def engine():
+        return Engine(tiny_model(), drafter=scripted(references), selector=TopByPathProbSelector(),
+                      predictor=HistoryPredictor(), device="cpu")
+
+    recorder = engine()
+    selector, predictor = recorder.selector, recorder.predictor
+    record(recorder, PROMPTS[:1], max_new_tokens=4)
+    assert recorder.selector is selector and recorder.predictor is predictor
+    after = recorder.generate(PROMPTS[1], max_new_tokens=8).cycles
+    fresh = engine().generate(PROMPTS[1], max_new_tokens=8).cycles
+    assert [(c.committed, c.verified, c.prediction) for c in after] == [(c.committed, c.verified, c.prediction)
+                                                                        for c in fresh]
 
 
 def test_live_time_is_within_the_cost_models_error_of_the_replayed_time(references, tmp_path):
