@@ -107,7 +107,13 @@ def calibration_dir() -> Path:
 
 
 def setup_fingerprint(engine: Any) -> dict[str, Any]:
-    """What the constants depend on: model, dtype, device, cache, copy engine, drafter, machine."""
+    """What the constants depend on: model, dtype, device, cache, copy engine, drafter, machine.
+
+    ``model_head`` is the model's own EAGLE-3 head (``model.draft_head``); a drafter that uses it
+    has it as its ``path``, recorded as ``head: null`` as before, so stored calibrations keep
+    their file names."""
+    model_head = engine.info.get("draft_head")
+    head = getattr(engine.drafter, "path", None)
     return {
         "model": str(engine.info.get("model", type(engine.model).__name__)),
         "dtype": str(engine.spec.dtype),
@@ -117,7 +123,8 @@ def setup_fingerprint(engine: Any) -> dict[str, Any]:
         "copy_engine": engine.copy_engine.describe(),
         # drafting costs depend on the drafter's settings, not only on its kind
         "drafter": {"name": engine.drafter.name, "depth": engine.drafter.depth, "total_tokens": engine.drafter.total_tokens,
-                    "top_k": getattr(engine.drafter, "top_k", None), "head": getattr(engine.drafter, "path", None)},
+                    "top_k": getattr(engine.drafter, "top_k", None), "head": None if head == model_head else head,
+                    "model_head": model_head},
         "machine": {"node": platform.node(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count()},
     }

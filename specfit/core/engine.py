@@ -1,7 +1,10 @@
-"""The decode loop: draft a tree level by level, select a subtree, verify it, accept, commit.
+"""The decode loop: prefill, then cycles (draft a tree level by level, select a subtree, verify it,
+accept, commit) until a stop token, ``max_new_tokens`` or the context limit.
 
-Autoregressive decoding is the same loop with a drafter that proposes nothing: each cycle then
-verifies only the root and commits the target's next token.
+The cycle itself is :class:`specfit.core.cycle.Cycle`, shared with trace replay; here it runs
+against the target through :class:`LiveVerifier`. Autoregressive decoding is the same loop with a
+drafter that proposes nothing: each cycle then verifies only the root and commits the target's
+next token.
 """
 
 from __future__ import annotations
@@ -16,9 +19,7 @@ from torch import nn
 
 from specfit.core import guard
 from specfit.core.copy_engines import CopyEngine, LinkSettings, make_copy_engine
-from specfit.core.cycle import (  # noqa: F401 - CycleTrace, CycleObserver, should_draft, report_time: re-exported
-    Cycle, CycleObserver, CycleTimes, CycleTrace, Verdict, check_parts, report_time, should_draft,
-)
+from specfit.core.cycle import Cycle, CycleObserver, CycleTimes, Verdict, check_parts
 from specfit.core.offload import OffloadRuntime
 from specfit.core.sampling import Sampler, SamplingParams
 from specfit.core.stats import CycleRecord, RunStats
