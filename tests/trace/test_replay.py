@@ -17,6 +17,7 @@ from drafters import ScriptedDrafter
 from specfit import Engine
 from specfit.api import calibrate
 from specfit.core.calibration import CostConstants
+from specfit.core.stats import cycle_summary
 from specfit.errors import ConfigError
 from specfit.interfaces import Selection, SelectorBase
 from specfit.plugins.caches.full import FullCache
@@ -143,6 +144,14 @@ def test_replay_reproduces_the_live_run_cycle_by_cycle(references, traces, draft
             assert r.predicted == pytest.approx(c.predicted, rel=1e-9, abs=0)
             assert r.prediction == c.prediction
     assert result.summary()["divergences"] == 0
+    # one summary, one meaning per key: the replay reports what the live run's cycles report
+    # (spec_decode_acceptance_length: tokens committed per cycle, bonus included, as in vLLM)
+    shared = cycle_summary([c for out in live for c in out.cycles])
+    replayed_summary = result.summary()
+    by_layer = "experts_per_layer_union_by_layer"
+    assert replayed_summary[by_layer] == shared.pop(by_layer)
+    assert {k: replayed_summary[k] for k in shared} == pytest.approx(shared, rel=1e-12)
+    assert shared["spec_decode_acceptance_length"] == sum(len(o.token_ids) - 1 for o in live) / shared["cycles"]
     # each cycle is charged the cost model's time for what the live cycle did (modelled D)
     charged = [CONSTANTS.cycle_seconds(c.verified, c.misses, c.hits, CONSTANTS.c_draft0 + CONSTANTS.c_level * c.levels)
                for out in live for c in out.cycles]
