@@ -39,7 +39,6 @@ class Target:
         self.runtime = runtime
         self.device = runtime.device
         self.feature_layers: tuple[int, ...] = ()
-        self.draft_head: str | None = None  # path of an EAGLE-3 head trained for this model, if any
         self.cache: DynamicCache | None = None
         impl = getattr(model.config, "_attn_implementation", "eager")
         if impl not in TREE_ATTENTION:

@@ -25,8 +25,8 @@ from specfit.validation import integer, optional_integer
 @dataclass
 class Eagle3DrafterConfig(DrafterConfig):
     name: str = "eagle3"
-    # head directory (public EAGLE-3 layout); null: the model's own head (model.draft_head), else a
-    # random head (seeded); "random" forces a random head
+    # head directory (public EAGLE-3 layout); null: the model's own head (model.draft_head, filled in
+    # by specfit.build), else a random head (seeded); "random" forces a random head
     path: str | None = None
     top_k: int = 10
     depth: int = 7
@@ -101,9 +101,7 @@ class Eagle3Drafter(DrafterBase):
 
     def bind(self, target: Any) -> None:
         model = target.model
-        if self.head is None and self.path is None and getattr(target, "draft_head", None):
-            self.head = load_head(target.draft_head)
-        if self.head is None:
+        if self.head is None:  # no path (specfit.build sets it to model.draft_head when the model has one)
             self.head = random_head(head_config_for(model), seed=self.seed)
         cfg, tc = self.head.cfg, model.config
         check_head_fits(self.head, tc)  # names the head and the mismatch
