@@ -49,11 +49,10 @@ def method_config(cfg: DictConfig, method: str, workload: str | None, overrides:
         raise ConfigError(f"methods: {method!r} has no entry in method_presets (known: {', '.join(cfg.method_presets)})")
     base = ([f"workload={workload}"] if workload else []) + list(cfg.method_presets[method])
     try:
-        config = compose(overrides + base, config_name=_config_name())
+        return compose(overrides + base, config_name=_config_name())
     except ConfigError:
         usable = [o for o in overrides if _composes([o] + base)]
-        config = compose(usable + base, config_name=_config_name())
-    return without_unused_cost_model(config)
+        return compose(usable + base, config_name=_config_name())
 
 
 def without_unused_cost_model(cfg: DictConfig) -> DictConfig:
@@ -61,6 +60,7 @@ def without_unused_cost_model(cfg: DictConfig) -> DictConfig:
 
     Such a selector never consults it, so the method's output and timing are the same without it,
     and it neither calibrates (minutes, for ``ar`` or ``eagle3``) nor is recorded as if it were used.
+    (``specfit replay`` keeps it: a replay charges every method's cycles with the cost model.)
     """
     if cfg.get("cost_model") is None:
         return cfg
@@ -143,6 +143,15 @@ def _plain(config: Any) -> Any:
     return json.loads(json.dumps({k: v for k, v in config.items() if k not in _JOB_KEYS}, default=str))
 
 
+def _write_answers(folder: Path, answers: dict[str, list[dict[str, Any]]], rows: list[dict[str, Any]],
+                   engines: dict[str, Any]) -> None:
+    """Add a workload's rows to the Spec-Bench answers and rewrite each method's file atomically."""
+    tokenizers = {m: e.tokenizer for m, e in engines.items()}
+    for method, lines in spec_bench_answers(rows, tokenizers).items():
+        answers.setdefault(method, []).extend(lines)
+        write_atomic(folder / f"{method}.jsonl", "".join(json.dumps(a) + "\n" for a in answers[method]))
+
+
 def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[str, Any]]:
     """Run every method on every prompt; each row is on disk as soon as its run completes.
 
@@ -163,7 +172,8 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
     finished = 0  # runs of this job on disk (resumed ones included)
     try:
         for workload in workloads:
-            configs = {m: method_config(cfg, m, workload, overrides) for m in cfg.methods}
+            configs = {m: without_unused_cost_model(method_config(cfg, m, workload, overrides))
+                       for m in cfg.methods}
             any_cfg = next(iter(configs.values()))
             prompts = prompts_of(any_cfg)
             about = describe(any_cfg.workload)
@@ -209,9 +219,7 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
             print(comparison_table(summary, baseline=cfg.baseline))
             print(f"output tokens identical across methods: {'yes' if identical else 'NO'}")
             if answers_dir is not None:
-                for method, lines in spec_bench_answers(rows[-total:], {m: e.tokenizer for m, e in engines.items()}).items():
-                    answers.setdefault(method, []).extend(lines)
-                    write_atomic(answers_dir / f"{method}.jsonl", "".join(json.dumps(a) + "\n" for a in answers[method]))
+                _write_answers(answers_dir, answers, rows[-total:], engines)
     except KeyboardInterrupt:
         print(f"specfit: interrupted: {finished} completed runs are in {results}; resume with: "
               f"{resume_command(output_dir)}", file=sys.stderr, flush=True)
