@@ -45,8 +45,8 @@ class CycleTimes:
 
 
 class Verifier(Protocol):
-    """The target as the cycle sees it: it drafts nothing, but it grows the tree's levels (live:
-    the drafter; replay: the recorded tree), knows the cache, verifies, and keeps time."""
+    """What a cycle runs against: where the tree's levels come from (live: the drafter; replay: the
+    recorded tree), the cache's residency, the target's verdict on a block, and the clock."""
 
     measured: bool  # True: times are wall-clock (the cost model may learn from them); False: charged
     extra: dict[str, Any]  # SelectionContext.extra for the selector
@@ -66,9 +66,9 @@ class Verifier(Protocol):
     def token_after(self, block: VerifyBlock, pos: int, sampler: Sampler) -> int:
         """The target's token after block position ``pos`` (output token ``sampler.position + depth``)."""
 
-    def keep(self, block: VerifyBlock, path: list[int], bonus: int) -> tuple[list[int], bool]:
-        """Keep the accepted path (live: compact the KV cache). Returns the path to commit and whether
-        it had to be cut (replay: a tree pass disagreed with the recorded output)."""
+    def keep(self, block: VerifyBlock, path: list[int], bonus: int) -> list[int]:
+        """Keep the accepted path (live: compact the KV cache); returns the path to commit (a replay
+        cuts it where a tree pass disagreed with the recorded output)."""
 
     def commit(self, tokens: list[int], kept: list[int], bonus: int) -> None:
         """Hand the kept positions to the drafter (live); nothing to do in a replay."""
@@ -166,7 +166,7 @@ class Cycle:
                 raise ConfigError("accept_limit (trace recording) needs greedy decoding")
             path = acc.path[: self.accept_limit]
             acc = Acceptance(path, verifier.token_after(block, path[-1] if path else 0, sampler))
-        path, _ = verifier.keep(block, acc.path, acc.bonus)
+        path = verifier.keep(block, acc.path, acc.bonus)
         verify_seconds = verifier.now() - t_verify
 
         kept = [0] + path

@@ -258,9 +258,9 @@ class LiveVerifier:
     def token_after(self, block: VerifyBlock, pos: int, sampler: Sampler) -> int:
         return sampler.token(self._result.logits[pos], sampler.position + block.depths[pos])
 
-    def keep(self, block: VerifyBlock, path: list[int], bonus: int) -> tuple[list[int], bool]:
+    def keep(self, block: VerifyBlock, path: list[int], bonus: int) -> list[int]:
         self.target.keep(self._prefix, [0] + path)
-        return path, False
+        return path
 
     def commit(self, tokens: list[int], kept: list[int], bonus: int) -> None:
         features = self._result.features[kept] if self._result.features is not None else None

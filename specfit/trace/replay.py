@@ -320,17 +320,16 @@ class TraceVerifier:
     def token_after(self, block: VerifyBlock, pos: int, sampler: Sampler) -> int:
         return self.rec.root_argmax if pos == 0 else int(self.rec.argmax[self._rows[pos - 1]])
 
-    def keep(self, block: VerifyBlock, path: list[int], bonus: int) -> tuple[list[int], bool]:
+    def keep(self, block: VerifyBlock, path: list[int], bonus: int) -> list[int]:
         """The greedy output is the ground truth of the sequence: a path that leaves it (tree-pass
         numerics) is cut where it does, and the cycle is marked diverged."""
         output, start = self.output, self.start
-        self.diverged = False
         for j, p in enumerate(path):
             if start + j < len(output) and block.tokens[p] != output[start + j]:
                 self.diverged = True
-                return path[:j], True
+                return path[:j]
         self.diverged = start + len(path) < len(output) and bonus != int(output[start + len(path)])
-        return path, self.diverged
+        return path
 
     def commit(self, tokens: list[int], kept: list[int], bonus: int) -> None:
         pass  # the recorded tree needs no drafter state
