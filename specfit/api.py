@@ -85,6 +85,8 @@ def _with_model_head(node: DictConfig, head: str | None) -> DictConfig:
     when it has a ``path`` key left null: the head reaches the drafter as its own setting."""
     if not head or "path" not in node or node.path is not None:
         return node
+    if getattr(OmegaConf.to_object(node), "path", None) is not None:  # set by an alias (speculative_config.model)
+        return node
     node = node.copy()
     node.path = head
     return node

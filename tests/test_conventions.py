@@ -35,6 +35,15 @@ def test_speculative_config_model_is_the_head_path():
         drafter("drafter.path=a", "drafter.speculative_config={model: b}")
 
 
+def test_a_head_given_by_speculative_config_is_not_replaced_by_the_models_own():
+    """model=demo has its own head (model.draft_head), used only where no head is named."""
+    def built(*overrides: str):
+        return specfit.build(specfit.compose(["model=demo", "drafter=eagle3", *overrides]), calibrate_now=False)
+
+    assert built("drafter.speculative_config={model: random}").drafter.path == "random"
+    assert built().drafter.path.endswith("eagle3")  # the demo's own head
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["drafter.depth=3", "drafter.num_speculative_tokens=5"],
      "drafter.depth=3 and its alias drafter.num_speculative_tokens=5 disagree"),
@@ -67,14 +76,15 @@ def test_bench_builds_a_cost_model_only_for_selectors_that_use_one():
     from specfit.commands.bench import method_config, without_unused_cost_model
 
     cfg = specfit.compose(["model=tiny"], config_name="bench")
+    kept = {}
     for method in cfg.method_presets:
-        assert method_config(cfg, method, None, []).cost_model is not None  # replay charges time with it
-        c = without_unused_cost_model(method_config(cfg, method, None, []))
+        c = method_config(cfg, method, None, [])
+        assert c.cost_model is not None  # what replay gets: it charges every method's time with it
+        c = without_unused_cost_model(c)
         selector = specfit.registry.get_plugins()["selector"].get(c.selector.name).cls
-        uses = "cost_model" in getattr(selector, "requires", ())
-        assert (c.cost_model is not None) == uses, method
-    assert without_unused_cost_model(method_config(cfg, "ar", None, [])).cost_model is None
-    assert without_unused_cost_model(method_config(cfg, "specfit", None, [])).cost_model.name == "union"
+        assert (c.cost_model is not None) == ("cost_model" in getattr(selector, "requires", ())), method
+        kept[method] = c.cost_model is not None
+    assert not kept["ar"] and not kept["eagle3"] and kept["specfit"] and kept["prefix"]
 
 
 def test_spec_bench_answers_one_line_per_prompt_one_choice_per_repeat():
