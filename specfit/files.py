@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable
 
-from specfit.errors import ConfigError
+from specfit.errors import ConfigError, SpecfitError
 
 
 def check_writable(path: str | Path, key: str, directory: bool = False, label: str | None = None) -> Path:
@@ -167,3 +167,22 @@ def _row(line: str, path: Path, n: int, key: str) -> dict[str, Any]:
     if not isinstance(row, dict):
         raise ConfigError(f"{key}={path}: line {n} is not a JSON object")
     return row
+
+
+def read_json_object(path: Path, where: str, error: type[SpecfitError] = ConfigError, what: str = "") -> dict[str, Any]:
+    """The JSON object in ``path``, or one line ``where: <problem>[; what]`` as ``error``.
+
+    Shared by every reader of a user's JSON file (checkpoint and head configs, safetensors indexes,
+    calibrations), so bad bytes, bad JSON and a non-object are reported the same way everywhere."""
+    suffix = f"; {what}" if what else ""
+    try:
+        raw = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise error(f"{where}: not UTF-8 text (byte {exc.start}){suffix}") from exc
+    except json.JSONDecodeError as exc:
+        raise error(f"{where}: not valid JSON ({exc.msg}, line {exc.lineno}){suffix}") from exc
+    except OSError as exc:
+        raise error(f"{where}: cannot read it ({exc.strerror or exc})") from exc
+    if not isinstance(raw, dict):
+        raise error(f"{where}: holds a JSON {type(raw).__name__}, not an object{suffix}")
+    return raw

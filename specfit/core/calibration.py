@@ -26,6 +26,8 @@ import numpy as np
 
 from specfit.core.stats import CycleRecord
 from specfit.errors import ConfigError
+from specfit.files import read_json_object
+from specfit.progress import progress
 from specfit.interfaces import Selection, SelectorBase
 
 
@@ -157,13 +159,8 @@ def load_constants(path: str | Path) -> CostConstants:
     where = f"cost_model.calibration={path}"
     if not path.is_file():
         raise ConfigError(f"{where}: no such file (run `specfit calibrate` to make one)")
-    try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{where}: not UTF-8 text (byte {exc.start}); not a specfit calibration file") from exc
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{where}: not valid JSON ({exc.msg}, line {exc.lineno}); not a specfit calibration file") from exc
-    stored = data.get("constants") if isinstance(data, dict) else None
+    data = read_json_object(path, where, ConfigError, "not a specfit calibration file")
+    stored = data.get("constants")
     if not isinstance(stored, dict):
         raise ConfigError(f"{where}: no \"constants\" object; not a specfit calibration file")
     for name, field in CostConstants.__dataclass_fields__.items():
@@ -212,8 +209,10 @@ def run_calibration(engine: Any, prompts: Sequence[Any], max_new_tokens: int, se
     ``selector``): its own selector is neither replaced nor touched."""
     sweep = SizeSweepSelector(seed)
     records: list[CycleRecord] = []
-    for prompt in prompts:
-        records += engine.generate(prompt, max_new_tokens=max_new_tokens, selector=sweep).cycles
+    with progress(len(prompts), "calibrate", unit="prompt") as bar:
+        for prompt in prompts:
+            records += engine.generate(prompt, max_new_tokens=max_new_tokens, selector=sweep).cycles
+            bar.update()
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(records))
     if len(records) < 8:

@@ -18,6 +18,7 @@ from torch import nn
 
 from specfit.config import ModelConfig
 from specfit.errors import ModelError
+from specfit.files import read_json_object
 from specfit.validation import device_arg
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -129,18 +130,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 def read_json(file: Path, what: str) -> dict[str, Any]:
-    """A JSON object from ``file``, or a ModelError naming the file, the line and the problem."""
-    try:
-        raw = json.loads(file.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ModelError(f"{what}: {file.name} is not UTF-8 text (byte {exc.start})") from exc
-    except json.JSONDecodeError as exc:
-        raise ModelError(f"{what}: {file.name} is not valid JSON ({exc.msg}, line {exc.lineno})") from exc
-    except OSError as exc:
-        raise ModelError(f"{what}: cannot read {file.name} ({exc.strerror or exc})") from exc
-    if not isinstance(raw, dict):
-        raise ModelError(f"{what}: {file.name} holds a JSON {type(raw).__name__}, not an object")
-    return raw
+    """A JSON object from ``file``, or a ModelError naming ``what``, the file, the line and the problem."""
+    return read_json_object(file, f"{what}: {file.name}", ModelError)
 
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"

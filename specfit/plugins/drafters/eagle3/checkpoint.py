@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from specfit.errors import ModelError
+from specfit.files import read_json_object
 from specfit.plugins.drafters.eagle3.head import Eagle3Config, Eagle3Head
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -71,14 +72,7 @@ def load_head(path: str | Path) -> Eagle3Head:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelError(f"drafter.path={path}: no config.json")
-    try:
-        raw = json.loads(config_file.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ModelError(f"{config_file}: not UTF-8 text (byte {exc.start})") from exc
-    except json.JSONDecodeError as exc:
-        raise ModelError(f"{config_file}: not valid JSON ({exc.msg}, line {exc.lineno})") from exc
-    if not isinstance(raw, dict):
-        raise ModelError(f"{config_file}: holds a JSON {type(raw).__name__}, not an object")
+    raw = read_json_object(config_file, str(config_file), ModelError)
     try:
         cfg = Eagle3Config.from_hf(raw, str(config_file))
     except (TypeError, ValueError, AttributeError) as exc:  # a value of the wrong type, e.g. "hidden_size": "big"
