@@ -43,6 +43,7 @@ def test_sweep_axes_are_what_differs_within_a_method():
     assert sweep_axes(rows) == ["cache.capacity"]
 
 
+@pytest.mark.slow  # ~11 s of process start-ups; the in-process sweep above covers the report
 @pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
                     reason="needs the cluster extra (hydra-submitit-launcher)")
 def test_sweep_through_the_submitit_launcher_on_a_local_instance(tmp_path):
