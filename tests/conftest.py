@@ -26,12 +26,16 @@ def _private_home(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _fresh_hydra():
-    """Each test composes from scratch (Hydra keeps global state)."""
+    """Each test composes from scratch (Hydra keeps global state: the loader, and the config of the last
+    in-process ``specfit <command>``, which bench reads to know which command it runs)."""
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
 
     GlobalHydra.instance().clear()
+    HydraConfig.instance().cfg = None
     yield
     GlobalHydra.instance().clear()
+    HydraConfig.instance().cfg = None
 
 
 _MODELS: dict[tuple, torch.nn.Module] = {}
