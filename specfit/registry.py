@@ -78,7 +78,17 @@ def check_plugin_instance(kind: str, obj: Any) -> None:
     if missing or abstract:
         label = f"'{name}' ({type(obj).__qualname__})" if isinstance(name, str) else type(obj).__qualname__
         raise PluginError(f"{kind} {label} lacks {', '.join(missing + abstract)} "
-                          f"(see specfit.interfaces.{KINDS[kind].__name__})")
+                          f"({_remedy(kind)})")
+
+
+# kind -> the base class whose defaults supply every optional hook
+_BASE_NAMES = {"drafter": "DrafterBase", "selector": "SelectorBase", "cost_model": "CostModelBase",
+               "cache": "ExpertCacheBase", "predictor": "ExpertPredictorBase"}
+
+
+def _remedy(kind: str) -> str:
+    return (f"subclass specfit.interfaces.{_BASE_NAMES[kind]} for the optional hooks' defaults; "
+            f"the contract: specfit.interfaces.{KINDS[kind].__name__}")
 
 
 def _has(obj: Any, member: str) -> bool:
@@ -101,7 +111,7 @@ def check_plugin_class(kind: str, cls: Any) -> None:
                      | set(getattr(cls, "__abstractmethods__", ())))
     if missing:
         raise PluginError(f"{kind} plugin '{name}' ({cls.__qualname__}) lacks {', '.join(missing)} "
-                          f"(see specfit.interfaces.{KINDS[kind].__name__})")
+                          f"({_remedy(kind)})")
     config = getattr(cls, "Config", None)
     base = PLUGIN_BASES[kind]
     if not (inspect.isclass(config) and dataclasses.is_dataclass(config) and issubclass(config, base)):

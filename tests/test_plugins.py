@@ -168,7 +168,7 @@ def test_a_selector_written_from_the_old_protocol_is_refused_naming_the_hooks_it
         def observe(self, tree, verified, accepted): ...
 
     with pytest.raises(PluginError, match=r"selector plugin 'old_style' .* lacks observe_time, requires, should_draft "
-                                          r"\(see specfit.interfaces.Selector\)"):
+                                          r"\(subclass specfit.interfaces.SelectorBase .*specfit.interfaces.Selector\)"):
         _add("selector", OldStyle)
 
     class FromBase(SelectorBase):  # the base supplies them; select stays required
