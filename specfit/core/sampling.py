@@ -6,14 +6,13 @@ run samples from the same distribution as ``model.generate(do_sample=True, ...)`
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from specfit.errors import ConfigError
-from specfit.validation import is_int
+from specfit.validation import integer, number
 
 
 @dataclass(frozen=True)
@@ -25,22 +24,15 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         """Bad values fail here, naming the key, not as a NaN distribution or a torch error mid-run."""
-        if not _finite_number(self.temperature) or self.temperature < 0:
-            raise ConfigError(f"sampling.temperature={self.temperature!r} must be a finite number >= 0 (0 is greedy)")
-        if not _finite_number(self.top_p) or not 0 < self.top_p <= 1:
+        number("sampling.temperature", self.temperature, minimum=0)  # 0 is greedy
+        if not 0 < number("sampling.top_p", self.top_p) <= 1:
             raise ConfigError(f"sampling.top_p={self.top_p!r} must be in (0, 1]")
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise ConfigError(f"sampling.top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
-        if not is_int(self.seed):
-            raise ConfigError(f"sampling.seed={self.seed!r} must be an integer")
+        integer("sampling.top_k", self.top_k, minimum=0)  # 0 disables it
+        integer("sampling.seed", self.seed)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-
-def _finite_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class Sampler:
