@@ -27,7 +27,7 @@ from specfit.core.target import PassOutput, Target
 from specfit.core.tree import DraftTree, VerifyBlock
 from specfit.errors import ConfigError
 from specfit.interfaces import CostModel, Drafter, ExpertCache, ExpertPredictor, Selector
-from specfit.validation import check_engine_args, device_arg, token_ids
+from specfit.validation import check_engine_args, device_arg, integer, token_ids
 
 
 @dataclass
@@ -211,12 +211,9 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ConfigError("this model has no tokenizer: give the prompt as token ids (prompt_ids=[...])")
-            ids = self.tokenizer(prompt)["input_ids"]  # the tokenizer's own defaults (BOS where it adds one)
-        else:
-            ids = token_ids("prompt", prompt)  # ints only: no floats, bools, strings or nested lists
-        if not ids:
-            raise ConfigError("the prompt is empty")
-        return token_ids("prompt", ids, self.model.config.vocab_size)
+            prompt = self.tokenizer(prompt)["input_ids"]  # the tokenizer's own defaults (BOS where it adds one)
+        # ints only (no floats, bools, strings or nested lists), in the vocabulary, at least one
+        return token_ids("prompt", prompt, self.model.config.vocab_size, allow_empty=False)
 
 
 class LiveVerifier:
@@ -279,8 +276,7 @@ def context_limit(config: Any, override: int | None = None) -> int | None:
     native = _native_context(config)
     if override is None:
         return native
-    if isinstance(override, bool) or not isinstance(override, int) or override < 2:
-        raise ConfigError(f"model.max_model_len={override!r} must be an integer >= 2 (a prompt token and a new one)")
+    integer("model.max_model_len", override, minimum=2)  # a prompt token and a new one
     if native is not None and override > native:
         raise ConfigError(f"model.max_model_len={override} exceeds the model's context limit {native} "
                           f"(max_position_embeddings, with its RoPE scaling)")
