@@ -20,6 +20,7 @@ from torch import nn
 from specfit.core import guard
 from specfit.core.copy_engines import CopyEngine, LinkSettings, make_copy_engine
 from specfit.core.cycle import Cycle, CycleObserver, CycleTimes, Verdict, check_parts
+from specfit.core.expert_store import HostExpertStore
 from specfit.core.offload import OffloadRuntime
 from specfit.core.sampling import Sampler, SamplingParams
 from specfit.core.stats import CycleRecord, RunStats
@@ -73,6 +74,8 @@ class Engine:
         ignore_eos: bool = False,
         info: dict[str, Any] | None = None,
         max_model_len: int | None = None,
+        expert_store: HostExpertStore | None = None,
+        expert_compute: str = "auto",
     ) -> None:
         check_engine_args(model, max_new_tokens, sampling)
         if drafter is None or selector is None or cache is None:
@@ -84,7 +87,8 @@ class Engine:
                      "cache": cache})
         self.device = device_arg(device) if device is not None else default_device()
         self.copy_engine = copy if not isinstance(copy, str) else make_copy_engine(copy, self.device, link)
-        self.runtime = OffloadRuntime(model, cache, self.copy_engine, self.device)
+        self.runtime = OffloadRuntime(model, cache, self.copy_engine, self.device, store=expert_store,
+                                      compute=expert_compute)
         model.to(self.device).eval()
         self.model = model
         self.spec = self.runtime.spec
@@ -99,6 +103,7 @@ class Engine:
         self.target.feature_layers = guard.feature_layers(self.drafter, getattr(model.config, "num_hidden_layers", None))
         for limit in ("depth", "total_tokens"):  # read every cycle: sizes of what the selector may choose
             guard.check_count("drafter", self.drafter, "bind", getattr(self.drafter, limit), f"drafter.{limit}")
+        self.target.check_drafter(self.drafter.name, self.drafter.depth)  # e.g. no tree over a recurrent state
         self._vocab = int(model.config.vocab_size)  # draft tokens must be target token ids
         guard.call("selector", self.selector, "bind", self.spec)
         if cost_model is not None:
@@ -119,6 +124,8 @@ class Engine:
             "cache_slots_per_layer": self.runtime.slots_per_layer,
             "copy_engine": self.copy_engine.describe(),
             "h2d_emulated": bool(self.copy_engine.emulated),
+            "expert_compute": self.runtime.compute.name,
+            **memory_info(self.runtime, model),
             **(info or {}),
         }
 
@@ -268,6 +275,16 @@ class LiveVerifier:
 
     def times(self, measured: CycleTimes, levels: int, verified: int, verdict: Verdict, overhead: float) -> CycleTimes:
         return measured
+
+
+def memory_info(runtime: OffloadRuntime, model: nn.Module) -> dict[str, int]:
+    """Where the weights live: the experts' host store, the device slot pool, and the dense rest."""
+    dense = {id(t): t for t in (*model.parameters(), *model.buffers()) if not t.is_meta}  # tied weights once
+    return {
+        "expert_host_bytes": runtime.store.nbytes,
+        "expert_device_bytes": runtime.device_bytes,
+        "dense_device_bytes": sum(t.numel() * t.element_size() for t in dense.values()),
+    }
 
 
 def context_limit(config: Any, override: int | None = None) -> int | None:

@@ -4,6 +4,12 @@ specfit hooks into models through transformers' experts interface: every support
 ``self.experts(hidden[T, H], top_k_index[T, K], top_k_weights[T, K])`` on a module holding fused
 weights ``gate_up_proj [E, 2I, H]`` (gate rows first) and ``down_proj [E, H, I]``. Replacing that
 module leaves the router, attention and shared experts untouched.
+
+Variants of that interface (transformers' ``is_transposed``, ``is_concatenated=False`` i.e.
+interleaved gate/up columns, ``has_bias`` and gpt-oss's clamped SwiGLU) are described by an
+:class:`ExpertLayout`; the host store normalises every expert to one canonical row (see
+:func:`row_parts`), so the compute kernels know a single layout. Only shapes and dtypes are read
+here, so a model built on the meta device can be described before any weight is loaded.
 """
 
 from __future__ import annotations
@@ -17,7 +23,24 @@ from torch import nn
 from specfit.errors import ModelError
 
 #: Architectures whose experts follow the fused interface the slot kernels implement (tested ones).
-SUPPORTED = "Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, DeepSeek-V2/V3"
+SUPPORTED = "Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, DeepSeek-V2/V3, gpt-oss"
+
+ACTIVATIONS = ("silu", "clamped_swiglu")
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """What an expert computes beyond ``down(act(gate(x)) * up(x))``.
+
+    ``activation``: ``"silu"`` is ``act_fn(gate) * up`` with the module's own ``act_fn`` (SiLU in
+    every supported family); ``"clamped_swiglu"`` is gpt-oss's: ``gate.clamp(max=limit)``,
+    ``up.clamp(-limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``.
+    """
+
+    bias: bool = False  # gate_up and down biases (gpt-oss)
+    activation: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
 
 
 @dataclass(frozen=True)
@@ -32,14 +55,48 @@ class MoESpec:
     dtype: torch.dtype
     module_names: tuple[str, ...]  # path of each MoE layer's experts module
     decoder_layers: tuple[int, ...]  # decoder-layer index of each MoE layer
+    layout: ExpertLayout = ExpertLayout()
 
     @property
     def expert_numel(self) -> int:
-        return 3 * self.intermediate_size * self.hidden_size
+        """Elements of one expert's host/slot row (biases included when the layout has them)."""
+        i, h = self.intermediate_size, self.hidden_size
+        return 3 * i * h + ((2 * i + h) if self.layout.bias else 0)
 
     @property
     def expert_bytes(self) -> int:
         return self.expert_numel * torch.tensor([], dtype=self.dtype).element_size()
+
+
+def row_parts(spec: MoESpec) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """The canonical row of one expert: ``{part: (offset, shape)}`` in row order.
+
+    ``gate_up`` [2I, H] (gate rows first), ``down`` [H, I], then, with biases, ``gate_up_bias`` [2I]
+    and ``down_bias`` [H]. The host store, the slots and every compute implementation use it.
+    """
+    i, h = spec.intermediate_size, spec.hidden_size
+    shapes: list[tuple[str, tuple[int, ...]]] = [("gate_up", (2 * i, h)), ("down", (h, i))]
+    if spec.layout.bias:
+        shapes += [("gate_up_bias", (2 * i,)), ("down_bias", (h,))]
+    parts, offset = {}, 0
+    for name, shape in shapes:
+        parts[name] = (offset, shape)
+        offset += _numel(shape)
+    return parts
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's gated activation on split (not interleaved) gate and up halves."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def _is_experts_module(module: nn.Module) -> bool:
@@ -48,35 +105,69 @@ def _is_experts_module(module: nn.Module) -> bool:
     return isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3 and down.dim() == 3
 
 
-def _check_supported(name: str, module: nn.Module) -> None:
-    """Reject expert layouts the slot kernels do not implement, rather than computing them wrongly."""
+def _dims(module: nn.Module) -> tuple[int, int, int]:
+    """(experts, 2I, H) of a module's gate_up_proj, whatever its orientation."""
+    e, a, b = module.gate_up_proj.shape
+    return (e, b, a) if getattr(module, "is_transposed", False) else (e, a, b)
+
+
+def expert_layout(name: str, module: nn.Module) -> ExpertLayout:
+    """The layout of an experts module, or a ModelError naming the module and what it cannot compute.
+
+    Transposed weights, interleaved gate/up columns and biases are normalised by the host store;
+    a custom ``_apply_gate`` is accepted only when it computes gpt-oss's clamped SwiGLU (checked
+    numerically on a probe, so a look-alike with other constants is not mistaken for it).
+    """
     problems = []
-    if getattr(module, "has_bias", False):
-        problems.append("expert biases")
-    if getattr(module, "is_transposed", False):
-        problems.append("transposed weights")
     if not getattr(module, "has_gate", True):
         problems.append("ungated experts")
-    if not getattr(module, "is_concatenated", True):
-        problems.append("interleaved gate/up rows")
     if getattr(module, "has_post_expert_norm", False):
         problems.append("a post-expert norm")
+    bias = bool(getattr(module, "has_bias", False))
+    e, two_i, h = _dims(module)
+    transposed = getattr(module, "is_transposed", False)
+    down_shape = (e, two_i // 2, h) if transposed else (e, h, two_i // 2)
+    if two_i % 2 or tuple(module.down_proj.shape) != down_shape:
+        raise ModelError(f"experts module {name}: gate_up_proj {tuple(module.gate_up_proj.shape)} and down_proj "
+                         f"{tuple(module.down_proj.shape)} do not match")
+    if bias:
+        for attr, shape in (("gate_up_proj_bias", (e, two_i)), ("down_proj_bias", (e, h))):
+            tensor = getattr(module, attr, None)
+            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape:
+                problems.append(f"expert biases without a {attr} of shape {list(shape)}")
+    activation, alpha, limit = "silu", ExpertLayout.alpha, ExpertLayout.limit
     gate = getattr(type(module), "_apply_gate", None)
     if gate is not None and gate.__name__ != "_default_apply_gate":
-        problems.append("a custom gate activation")
+        alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+        if _is_clamped_swiglu(module, alpha, limit):
+            activation = "clamped_swiglu"
+        else:
+            problems.append(f"a custom gate activation ({type(module).__name__}._apply_gate)")
     if problems:
         raise ModelError(f"experts module {name} ({type(module).__name__}) uses {', '.join(problems)}: not supported yet")
-    gu, dn = module.gate_up_proj, module.down_proj
-    e, two_i, h = gu.shape
-    if dn.shape != (e, h, two_i // 2):
-        raise ModelError(f"experts module {name}: gate_up_proj {tuple(gu.shape)} and down_proj {tuple(dn.shape)} do not match")
+    return ExpertLayout(bias=bias, activation=activation, alpha=float(alpha), limit=float(limit))
+
+
+def _is_clamped_swiglu(module: nn.Module, alpha: object, limit: object) -> bool:
+    """Whether ``module._apply_gate`` computes :func:`clamped_swiglu` with its alpha and limit."""
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (alpha, limit)):
+        return False
+    probe = torch.linspace(-3 * float(limit), 3 * float(limit), 48, dtype=torch.float64).view(3, 16)
+    interleaved = not getattr(module, "is_concatenated", True)
+    gate, up = (probe[..., ::2], probe[..., 1::2]) if interleaved else probe.chunk(2, dim=-1)
+    try:
+        got = module._apply_gate(probe)
+    except Exception:  # noqa: BLE001 - any failure means: not the activation we implement
+        return False
+    want = clamped_swiglu(gate, up, float(alpha), float(limit))
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, rtol=1e-9, atol=1e-9)
 
 
 def find_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The experts modules of ``model``, in layer order."""
     found = [(n, m) for n, m in model.named_modules() if _is_experts_module(m)]
     for name, module in found:
-        _check_supported(name, module)
+        expert_layout(name, module)
     return found
 
 
@@ -92,11 +183,12 @@ def moe_spec(model: nn.Module, experts: list[tuple[str, nn.Module]] | None = Non
     top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_topk", None)
     if not top_k:
         raise ModelError(f"{type(model).__name__}'s config has no num_experts_per_tok (top-k)")
-    first = experts[0][1]
-    e, two_i, h = first.gate_up_proj.shape
+    first_name, first = experts[0]
+    e, two_i, h = _dims(first)
+    layout = expert_layout(first_name, first)
     for name, m in experts:
-        if tuple(m.gate_up_proj.shape) != (e, two_i, h):
-            raise ModelError(f"experts module {name} differs in shape from {experts[0][0]}: not supported")
+        if _dims(m) != (e, two_i, h) or expert_layout(name, m) != layout:
+            raise ModelError(f"experts module {name} differs in shape or layout from {first_name}: not supported")
     layers = []
     for name, _ in experts:
         numbers = re.findall(r"\.(\d+)\.", f".{name}.")
@@ -110,4 +202,5 @@ def moe_spec(model: nn.Module, experts: list[tuple[str, nn.Module]] | None = Non
         dtype=first.gate_up_proj.dtype,
         module_names=tuple(n for n, _ in experts),
         decoder_layers=tuple(layers),
+        layout=layout,
     )

@@ -3,8 +3,15 @@
 Each MoE layer's experts module is replaced by :class:`OffloadedExperts`, which computes only on
 device-resident slots. Per pass and layer, the union of routed experts is admitted through the
 cache policy in rounds (one round unless the union exceeds the slots); each round's missing
-experts are copied in one batch by the copy engine, then computed. Outputs are reduced per token
-over its top-k in a fixed order, so the result does not depend on how rounds were split.
+experts are copied in one batch by the copy engine, then computed by the expert compute
+(:mod:`specfit.core.expert_compute`: grouped over the slot pool, a constant number of ops).
+Outputs are reduced per token over its top-k in float32 in a fixed order and cast once, so the
+result does not depend on how rounds were split. Reading the routing is the layer's one host sync.
+
+The experts' only host copy is a :class:`~specfit.core.expert_store.HostExpertStore`: given by the
+loader (the model's experts modules may then be meta tensors) or built from the modules, which
+frees their weights. When the policy preloads every expert of every layer (``cache=full``), the
+host copy is dropped after the preload; on a CPU device the slots are the store's own tensors.
 """
 
 from __future__ import annotations
@@ -15,12 +22,13 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specfit.core import guard
+from specfit.core.expert_compute import ExpertCompute, SlotViews, make_expert_compute, slot_views
+from specfit.core.expert_store import HostExpertStore
 from specfit.core.moe import MoESpec, find_experts, moe_spec
-from specfit.errors import ConfigError, PluginError
+from specfit.errors import ConfigError, ModelError, PluginError
 
 from specfit.interfaces.protocols import Admission
 
@@ -83,7 +91,7 @@ def resolve_capacity(spec: MoESpec, capacity: int | None, capacity_bytes: int | 
 class OffloadedExperts(nn.Module):
     """Drop-in replacement for a transformers experts module; weights live in the runtime."""
 
-    def __init__(self, runtime: OffloadRuntime, layer: int, act_fn: nn.Module) -> None:
+    def __init__(self, runtime: OffloadRuntime, layer: int, act_fn: nn.Module | None) -> None:
         super().__init__()
         self.layer = layer
         self.act_fn = act_fn
@@ -98,42 +106,50 @@ class OffloadedExperts(nn.Module):
 
 
 class OffloadRuntime:
-    """Owns the host store, the device slots and the resident map; asks the policy what to keep."""
+    """Owns the host store, the device slots and the resident map; asks the policy what to keep.
 
-    def __init__(self, model: nn.Module, policy: ExpertCache, copy_engine: CopyEngine, device: torch.device | str) -> None:
+    ``store``: the experts' host copy from a checkpoint loader (the model's experts modules may hold
+    meta tensors; they are replaced without being read); None builds it from the modules.
+    ``compute``: the expert compute implementation (``auto``, ``grouped``, ``loop``, ``triton``).
+    """
+
+    def __init__(self, model: nn.Module, policy: ExpertCache, copy_engine: CopyEngine, device: torch.device | str,
+                 store: HostExpertStore | None = None, compute: str = "auto") -> None:
         experts = find_experts(model)
-        self.spec = moe_spec(model, experts)
+        spec = moe_spec(model, experts)
+        self.device = torch.device(device)
+        self.compute: ExpertCompute = make_expert_compute(compute, self.device)
+        if store is None:
+            store = HostExpertStore.from_modules(experts, spec, pin=self.device.type == "cuda")
+        else:
+            spec = _store_spec(spec, store)
+        self.spec = spec
+        self.store = store
         self.policy = policy
         self.copy_engine = copy_engine
-        self.device = torch.device(device)
-        spec = self.spec
         self.slots_per_layer = bind_cache(policy, spec)
-        pin = self.device.type == "cuda"
-        self.stores: list[torch.Tensor] = []
-        split = 2 * spec.intermediate_size * spec.hidden_size
-        for layer in range(len(experts)):
-            name, module = experts[layer]
-            # one host row per expert (gate_up then down), written straight into the (pinned) buffer
-            store = torch.empty(spec.num_experts, spec.expert_numel, dtype=spec.dtype, pin_memory=pin)
-            store[:, :split].copy_(module.gate_up_proj.detach().reshape(spec.num_experts, -1))
-            store[:, split:].copy_(module.down_proj.detach().reshape(spec.num_experts, -1))
-            self.stores.append(store)
+        for layer, (name, module) in enumerate(experts):
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, attr, OffloadedExperts(self, layer, module.act_fn))
-            experts[layer] = (name, None)  # drop the last reference: peak host memory stays ~ one layer above the store
-            del module
-        self.slots = [
-            torch.empty(self.slots_per_layer, spec.expert_numel, dtype=spec.dtype, device=self.device)
-            for _ in range(spec.num_layers)
-        ]
-        self._gate_up = [[s[i, :split].view(2 * spec.intermediate_size, spec.hidden_size) for i in range(len(s))] for s in self.slots]
-        self._down = [[s[i, split:].view(spec.hidden_size, spec.intermediate_size) for i in range(len(s))] for s in self.slots]
+            setattr(parent, attr, OffloadedExperts(self, layer, getattr(module, "act_fn", None)))
+        experts.clear()  # the replaced modules: their weights are in the store, or were never loaded
         self.slot_expert = np.full((spec.num_layers, self.slots_per_layer), -1, dtype=np.int64)
         self.stats = CacheStats(union_sum=np.zeros(spec.num_layers))
         self._routing: list[torch.Tensor | None] = [None] * spec.num_layers
+        self.slots: list[torch.Tensor] = []
+        self._views: list[SlotViews] = []
         self._preload()
         model.register_forward_pre_hook(lambda *_: self.begin_pass())
+
+    @property
+    def stores(self) -> list[torch.Tensor]:
+        """The host store's per-layer tensors (a released layer is None)."""
+        return self.store.layers
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of the slot pool (on a CPU device: host memory, shared with the store when aliased)."""
+        return sum(t.numel() * t.element_size() for t in self.slots)
 
     # ------------------------------------------------------------------ per pass
 
@@ -152,41 +168,43 @@ class OffloadRuntime:
         return cache_resident(self.policy, self.spec)
 
     def run_layer(
-        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, act_fn: nn.Module
+        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+        act_fn: nn.Module | None,
     ) -> torch.Tensor:
+        spec = self.spec
         tokens, k = top_k_index.shape
         flat = top_k_index.reshape(-1).to("cpu", torch.int64)  # the one host sync of the layer
         self._routing[layer] = flat.view(tokens, k)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.spec.num_experts)
-        starts = torch.cumsum(counts, 0) - counts
-        needed = torch.nonzero(counts).squeeze(1).tolist()
+        routed = flat.numpy()
+        needed = np.flatnonzero(np.bincount(routed, minlength=spec.num_experts)).tolist()
         self.stats.union_sum[layer] += len(needed)
 
-        order_dev = order.to(hidden.device)
         weights = top_k_weights.reshape(-1)
-        out = hidden.new_zeros(tokens * k, hidden.shape[-1])
+        out = torch.zeros(tokens * k, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
+        slot_of = np.full(spec.num_experts, -1, dtype=np.int64)
         for admission in admission_rounds(self.policy, self.slot_expert, layer, needed):
             if admission.loads:
                 self._count(self._copy(layer, admission.loads))
             self.stats.misses += len(admission.loads)
             self.stats.hits += len(admission.slots) - len(admission.loads)
-            for expert, slot in admission.slots.items():
-                start, n = int(starts[expert]), int(counts[expert])
-                pos = order_dev[start : start + n]
-                x = hidden[pos // k]
-                gate, up = F.linear(x, self._gate_up[layer][slot]).chunk(2, dim=-1)
-                y = F.linear(act_fn(gate) * up, self._down[layer][slot])
-                out[pos] = (y * weights[pos, None]).to(out.dtype)
-        return out.view(tokens, k, -1).sum(dim=1)
+            slot_of[:] = -1
+            slot_of[list(admission.slots)] = list(admission.slots.values())
+            plan = self.compute.plan(slot_of[routed], self.slots_per_layer, hidden.device)
+            self.compute.run(self._views[layer], hidden, weights, k, plan, spec.layout, act_fn, out)
+        # float32 sum over each token's top-k, in a fixed order, then one rounding to the hidden dtype
+        return out.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
 
     # ------------------------------------------------------------------ copies
 
     def _copy(self, layer: int, loads: Sequence[tuple[int, int]]):  # noqa: ANN202 - a CopyRecord
         """Copy (expert, slot) pairs of one layer in one engine call."""
+        host = self.store.layers[layer]
+        if host is None:
+            raise guard.violation("cache", self.policy, "admit", f"layer {layer}: loads {len(loads)} experts after "
+                                  f"preloading every expert (the host copy was dropped); a full cache never loads")
         src = torch.tensor([e for e, _ in loads], dtype=torch.int64)
         dst = torch.tensor([s for _, s in loads], dtype=torch.int64)
-        return self.copy_engine.copy(self.stores[layer], src, self.slots[layer], dst)
+        return self.copy_engine.copy(host, src, self.slots[layer], dst)
 
     def _count(self, record) -> None:  # noqa: ANN001
         self.stats.h2d_bytes += record.bytes
@@ -194,10 +212,43 @@ class OffloadRuntime:
         self.stats.copy_calls += 1
 
     def _preload(self) -> None:
-        for layer, loads in cache_preload(self.policy, self.spec, self.slots_per_layer).items():
-            self.stats.preload_bytes += self._copy(layer, loads).bytes
+        """Allocate the slots and copy the policy's preload, layer by layer.
+
+        When every expert of every layer is preloaded, the host copy of each layer is released once
+        its slots hold it; on a CPU device with the identity placement the slots ARE the store's
+        tensor (no copy at all).
+        """
+        spec = self.spec
+        preload = cache_preload(self.policy, spec, self.slots_per_layer)
+        full = self.slots_per_layer == spec.num_experts and all(
+            len(preload.get(layer, ())) == spec.num_experts for layer in range(spec.num_layers))
+        for layer in range(spec.num_layers):
+            loads = preload.get(layer, [])
+            host = self.store.layers[layer]
+            if full and self.device.type == "cpu" and all(e == s for e, s in loads) and host.device == self.device:
+                slots = host  # the store's tensor becomes the slot pool
+            else:
+                slots = torch.empty(self.slots_per_layer, spec.expert_numel, dtype=spec.dtype, device=self.device)
+            self.slots.append(slots)
+            self._views.append(slot_views(slots, spec))
+            if loads and slots is not host:
+                self._copy(layer, loads)
+            self.stats.preload_bytes += len(loads) * spec.expert_bytes
             for e, slot in loads:
                 self.slot_expert[layer, slot] = e
+            if full:
+                self.store.release(layer)
+
+
+def _store_spec(model_spec: MoESpec, store: HostExpertStore) -> MoESpec:
+    """The runtime's spec with a loader's store: the model's shapes, the store's dtype (the experts may
+    stay bf16 under fp32 activations); a store of other shapes is a ModelError."""
+    given = store.spec
+    for field_name in ("num_layers", "num_experts", "hidden_size", "intermediate_size", "layout"):
+        if getattr(given, field_name) != getattr(model_spec, field_name):
+            raise ModelError(f"expert store: {field_name} {getattr(given, field_name)} does not match the model's "
+                             f"{getattr(model_spec, field_name)}")
+    return dataclasses.replace(model_spec, dtype=given.dtype)
 
 
 def bind_cache(policy: ExpertCache, spec: MoESpec) -> int:
