@@ -4,6 +4,12 @@ The KV cache holds every committed token except the newest (the root of the next
 A verification pass appends the root and the chosen nodes with a tree mask (each node attends to
 the prefix, its ancestors and itself) at positions ``prefix + depth``; afterwards only the root and
 the accepted path are kept.
+
+Every attention layer keeps a full cache indexed by absolute position, so that compaction moves
+entries by position: a sliding-window layer (gpt-oss) gets a full cache too, and the window is
+applied by its mask instead (the tree mask per layer type). Linear-attention layers (qwen3_next's
+Gated DeltaNet) carry a recurrent state that a tree pass cannot roll back per token: such models
+decode autoregressively only (drafter=none), refused at engine build otherwise.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 from specfit.core.offload import OffloadRuntime
 from specfit.core.tree import VerifyBlock
@@ -46,19 +53,29 @@ class Target:
         self.attn_implementation = impl
         # transformers 5.2x renames `past_key_values` to `cache`; use whichever this model takes.
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        # KV compaction moves entries by absolute position: sliding-window or other cache layers would break it
-        layers = DynamicCache(config=model.config).layers
-        odd = {type(layer).__name__ for layer in layers} - {"DynamicLayer"}
-        if odd:
-            raise ModelError(f"{type(model).__name__} uses {', '.join(sorted(odd))} KV-cache layers (sliding-window "
-                             "attention?); tree verification supports full-attention models only")
+        self.layer_kinds = cache_layer_kinds(model)
+        self.recurrent = "linear" in self.layer_kinds  # a state per layer that no tree pass can roll back
+        self.sliding_window: int | None = None
+        if "sliding" in self.layer_kinds:
+            self.sliding_window = int(model.config.sliding_window)
 
     @property
     def config(self):  # noqa: ANN201 - the HF config
         return self.model.config
 
+    def check_drafter(self, name: str, depth: int) -> None:
+        """At engine build: a drafter that proposes tokens needs tree verification, which a recurrent
+        (linear-attention) layer cannot do exactly; refuse it here rather than mid-decode."""
+        if self.recurrent and depth > 0:
+            raise ModelError(f"drafter={name}: {type(self.model).__name__} has linear-attention layers, whose recurrent "
+                             "state tree verification cannot roll back per token; use drafter=none (autoregressive)")
+
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        cache = DynamicCache(config=self.model.config)
+        for i, kind in enumerate(self.layer_kinds):
+            if kind == "sliding":  # every position stays, by position; the sliding mask applies the window
+                cache.layers[i] = DynamicLayer()
+        self.cache = cache
 
     @property
     def kv_len(self) -> int:
@@ -71,6 +88,8 @@ class Target:
         return self._forward(input_ids, position_ids=None, mask=None, last_logits_only=True)
 
     def verify(self, block: VerifyBlock) -> PassOutput:
+        if self.recurrent and len(block) > 1:  # check_drafter refuses this at build; a direct call must not corrupt the state
+            raise ModelError(f"{type(self.model).__name__} has linear-attention layers: it verifies one token per pass")
         prefix = self.kv_len
         input_ids = torch.tensor([block.tokens], device=self.device)
         positions = torch.tensor([[prefix + d for d in block.depths]], device=self.device)
@@ -92,17 +111,29 @@ class Target:
         if drop > 0:
             self.cache.crop(-drop)
 
-    def _tree_mask(self, prefix: int, block: VerifyBlock) -> torch.Tensor:
+    def _tree_mask(self, prefix: int, block: VerifyBlock) -> torch.Tensor | dict[str, torch.Tensor]:
         t = len(block)
         allowed = torch.ones(t, prefix + t, dtype=torch.bool)
         allowed[:, prefix:] = torch.from_numpy(block.ancestor_mask())
+        if self.sliding_window is None:
+            return self._mask_tensor(allowed)
+        # transformers 5 models take a mask per layer type; a sliding layer also drops keys
+        # `sliding_window` or more positions behind the query (as its causal mask does)
+        depths = torch.tensor(list(block.depths))
+        key_pos = torch.cat([torch.arange(prefix), prefix + depths])
+        query_pos = prefix + depths
+        in_window = (query_pos[:, None] - key_pos[None, :]) < self.sliding_window
+        masks = {"full_attention": self._mask_tensor(allowed), "sliding_attention": self._mask_tensor(allowed & in_window)}
+        return {kind: masks[kind] for kind in set(self.model.config.layer_types)}
+
+    def _mask_tensor(self, allowed: torch.Tensor) -> torch.Tensor:
         allowed = allowed[None, None].to(self.device)
         if self.attn_implementation == "sdpa":
             return allowed
         dtype = self.model.dtype
         return torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, mask: torch.Tensor | None,
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, mask: torch.Tensor | dict | None,
                  last_logits_only: bool = False) -> PassOutput:
         want_features = bool(self.feature_layers)
         cached = self.kv_len
@@ -125,7 +156,7 @@ class Target:
         return PassOutput(logits=logits, features=features, routing=self.runtime.routing())
 
     def _non_finite(self, cached: int, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
-                    mask: torch.Tensor | None, last_logits_only: bool) -> ModelError:
+                    mask: torch.Tensor | dict | None, last_logits_only: bool) -> ModelError:
         """Name the module that first produced NaN/inf, by re-running the failed pass with hooks.
 
         Only on this error path: the hooks cost a sync per layer. The pass is rerun on the cache as
@@ -154,6 +185,8 @@ class Target:
 
         handles = [m.register_forward_hook(hook(label, m)) for label, m in watched]
         try:
+            if cached and self.recurrent:
+                raise RuntimeError("a recurrent state cannot be cropped back: no rerun")
             if cached:
                 self.cache.crop(cached - self.kv_len)  # (crop takes a negative count in this transformers)
             else:
@@ -170,3 +203,20 @@ class Target:
         name = f"model.path={source}: {type(model).__name__}" if source else type(model).__name__
         return ModelError(f"{name} produced non-finite logits (NaN or inf): {where} first produced non-finite "
                           "values; check the checkpoint's weights (and model.dtype: float16 can overflow)")
+
+
+def cache_layer_kinds(model: nn.Module) -> tuple[str, ...]:
+    """Per decoder layer, the cache transformers gives it: "full" (keys and values by position),
+    "sliding" (a window of them) or "linear" (a recurrent state). Anything else is refused."""
+    kinds = []
+    for layer in DynamicCache(config=model.config).layers:
+        if type(layer) is DynamicLayer:
+            kinds.append("full")
+        elif type(layer) is DynamicSlidingWindowLayer:
+            kinds.append("sliding")
+        elif type(layer) is LinearAttentionLayer:
+            kinds.append("linear")
+        else:
+            raise ModelError(f"{type(model).__name__} uses {type(layer).__name__} cache layers, which specfit does not "
+                             "support (full, sliding-window and linear-attention layers are)")
+    return tuple(kinds)
