@@ -56,6 +56,7 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
         stop_token_ids=list(cfg.stop_token_ids),
         ignore_eos=cfg.ignore_eos,
         max_model_len=cfg.model.get("max_model_len"),
+        expert_compute=cfg.model.get("expert_compute", "auto"),
         info={"model": loaded.source, "draft_head": cfg.model.get("draft_head")},
         **parts,
     )

@@ -49,6 +49,9 @@ class ModelConfig:
     seed: int = 0  # weights of built-in models
     draft_head: str | None = None  # an EAGLE-3 head trained for this target: drafter=eagle3 uses it by default
     max_model_len: int | None = None  # context limit (prompt + output); null: the model's max_position_embeddings
+    # the routed experts' compute: auto (triton on CUDA when Triton imports, grouped otherwise) |
+    # grouped (torch._grouped_mm over the slot pool) | loop (per expert: the reference) | triton
+    expert_compute: str = "auto"
 
 
 @dataclass
@@ -250,6 +253,7 @@ def _check_values(cfg: DictConfig) -> None:
     from omegaconf import OmegaConf
 
     from specfit.core.sampling import SamplingParams
+    from specfit.core.expert_compute import check_expert_compute
     from specfit.validation import integer, token_ids
 
     integer("max_new_tokens", cfg.max_new_tokens, minimum=1)
@@ -266,6 +270,7 @@ def _check_values(cfg: DictConfig) -> None:
         if not path.is_file():
             raise ConfigError(f"prompt_file={cfg.prompt_file}: no such file")
     SamplingParams(**OmegaConf.to_container(cfg.sampling))
+    check_expert_compute(cfg.model.expert_compute)
     _check_workload(cfg.workload)
     _check_replay(cfg.replay)
     for kind in PLUGIN_BASES:
