@@ -23,7 +23,7 @@ from torch import nn
 from specfit.errors import ModelError
 
 #: Architectures whose experts follow the fused interface the slot kernels implement (tested ones).
-SUPPORTED = "Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, DeepSeek-V2/V3, gpt-oss"
+SUPPORTED = "Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, DeepSeek-V2/V3, gpt-oss, Qwen3-Next (autoregressive only)"
 
 ACTIVATIONS = ("silu", "clamped_swiglu")
 
