@@ -12,10 +12,12 @@ from omegaconf import DictConfig, OmegaConf
 from specfit.core.calibration import (
     calibration_path, check_calibration_destination, load_constants, run_calibration, save_constants,
 )
+from specfit.core.acceptance_estimators import attach_acceptance
 from specfit.core.copy_engines import LinkSettings
 from specfit.core.engine import Engine
 from specfit.core.loading import load_target
 from specfit.core.sampling import SamplingParams
+from specfit.core.setup_state import attach_setup_state
 from specfit.config import check_config
 from specfit.errors import ConfigError
 from specfit.registry import get_plugins
@@ -41,6 +43,7 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
             node = _with_model_head(node, cfg.model.get("draft_head"))
         parts[kind] = plugins[kind].create(node) if node is not None else None
     parts.update(default_parts(**{k: parts[k] for k in DEFAULT_PARTS}))
+    attach_acceptance(parts["selector"], cfg.get("acceptance"))  # the acceptance group, for cost-aware selectors
     loaded = load_target(OmegaConf.to_object(cfg.model))
     if loaded.tokenizer is None:
         _check_prompts_are_ids(cfg)
@@ -58,12 +61,15 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
         max_model_len=cfg.model.get("max_model_len"),
         expert_compute=cfg.model.get("expert_compute", "auto"),
         info={"model": loaded.source, "draft_head": cfg.model.get("draft_head")},
+        expert_store=loaded.expert_store,  # a streamed checkpoint's experts: their only host copy
+        numerics=cfg.model.numerics,
         **parts,
     )
     for prompt in check_prompts:
         engine.check_prompt(prompt)
     if calibrate_now:
         _attach_calibration(engine, calibration_prompts)
+    attach_setup_state(engine)  # the selector starts from what earlier engines of this setup learned
     return engine
 
 

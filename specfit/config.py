@@ -19,6 +19,7 @@ from specfit.errors import ConfigError
 from specfit.interfaces.configs import (  # noqa: F401
     COPY_KINDS,
     PLUGIN_BASES,
+    AcceptanceConfig,
     CacheConfig,
     CostModelConfig,
     DrafterConfig,
@@ -113,6 +114,7 @@ class SpecfitConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prompt: str | None = None
     prompt_ids: list[int] | None = None
+    acceptance: AcceptanceConfig | None = None  # a_v for the cost-aware selectors; null: the selector's own (path_prob)
     prompt_file: str | None = None  # the prompt as UTF-8 text from a file ("-": standard input); no quoting needed
     max_new_tokens: int = 64
     stop_token_ids: list[int] = field(default_factory=list)

@@ -36,6 +36,7 @@ BUILTIN_MODULES = {
     "specfit.builtin.cost_models": "specfit.plugins.cost_models",
     "specfit.builtin.caches": "specfit.plugins.caches",
     "specfit.builtin.predictors": "specfit.plugins.predictors",
+    "specfit.builtin.acceptance": "specfit.plugins.acceptance",
 }
 
 # kind -> name of the hook that registers it
@@ -45,6 +46,7 @@ HOOKS = {
     "cost_model": "register_cost_models",
     "cache": "register_expert_caches",
     "predictor": "register_predictors",
+    "acceptance": "register_acceptance_estimators",
 }
 
 
@@ -83,7 +85,8 @@ def check_plugin_instance(kind: str, obj: Any) -> None:
 
 # kind -> the base class whose defaults supply every optional hook
 _BASE_NAMES = {"drafter": "DrafterBase", "selector": "SelectorBase", "cost_model": "CostModelBase",
-               "cache": "ExpertCacheBase", "predictor": "ExpertPredictorBase"}
+               "cache": "ExpertCacheBase", "predictor": "ExpertPredictorBase",
+               "acceptance": "AcceptanceEstimatorBase"}
 
 
 def _remedy(kind: str) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from specfit.core.acceptance_estimators import attach_acceptance
 from specfit.errors import ConfigError
 from specfit.registry import get_plugins
 from specfit.files import check_writable
@@ -79,6 +80,7 @@ def replay_config(trace: Trace, cfg: DictConfig, name: str, model: Any, draft_ti
             from specfit.plugins.selectors.none import NoDraftSelector
 
             made["selector"] = NoDraftSelector()
+        attach_acceptance(made["selector"], cfg.get("acceptance"))
         return made
 
     if warmup > 0:

@@ -4,6 +4,12 @@ draft-stop rule. Each selector only decides how to pick a subtree from the probl
 Subclasses implement ``choose(problem, allowed) -> mask``; the exact search (``specfit``), a
 marginal-ratio greedy (EcoSpec-style) and a best prefix by path probability (EVICT-style) differ
 only there, so they are compared on equal terms.
+
+The acceptance estimates a_v come from an acceptance estimator, a plug-in kind of its own
+(``acceptance=path_prob|calibrated|learned``, :mod:`specfit.plugins.acceptance`); the selector
+owns it, asks it for estimates and tells it each verification's outcome, and scores its forecasts
+as it goes (``acceptance_score``). What the estimator and the draft gate learned persists per
+setup (:mod:`specfit.core.setup_state`).
 """
 
 from __future__ import annotations
@@ -13,48 +19,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from specfit.core.acceptance_estimators import AcceptanceScore, estimator_named, settled
 from specfit.core.search import SearchProblem, evaluate
-from specfit.core.tree import DraftTree, greedy_outcomes
+from specfit.core.tree import DraftTree
 from specfit.errors import ConfigError
 from specfit.interfaces import Selection, SelectionContext, SelectorBase, SelectorConfig
-
-
-class CalibratedAcceptance:
-    """a_v = f(P_v, d(v)) from observed acceptances: binned by depth and log path probability,
-    shrunk towards P_v while a bin has few observations."""
-
-    def __init__(self, prior_weight: float = 8.0, bins_per_decade: int = 4, max_depth: int = 16) -> None:
-        self.prior_weight, self.per_decade = prior_weight, bins_per_decade
-        shape = (max_depth + 1, 12 * bins_per_decade + 1)
-        self.accepted = np.zeros(shape)
-        self.seen = np.zeros(shape)
-
-    def _bins(self, tree: DraftTree, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        depth = np.minimum(np.asarray(tree.depths)[nodes], self.seen.shape[0] - 1)
-        logp = np.asarray(tree.path_log_probs)[nodes] / np.log(10)
-        b = np.clip((-logp * self.per_decade).astype(int), 0, self.seen.shape[1] - 1)
-        return depth, b
-
-    def estimate(self, tree: DraftTree) -> np.ndarray:
-        nodes = np.arange(len(tree))
-        d, b = self._bins(tree, nodes)
-        return (self.accepted[d, b] + self.prior_weight * tree.path_probs()) / (self.seen[d, b] + self.prior_weight)
-
-    def observe(self, tree: DraftTree, verified: Sequence[int], accepted: Sequence[int]) -> None:
-        """Learn from the verified nodes, or, after a greedy pass (``tree.greedy_next`` set), from
-        every drafted node whose outcome the pass settled (:func:`greedy_outcomes`)."""
-        if tree.greedy_next is not None:
-            outcome = greedy_outcomes(tree, accepted)
-            nodes = np.flatnonzero(outcome >= 0)
-            hit = outcome[nodes] == 1
-        else:
-            nodes = np.asarray(verified, dtype=int)
-            hit = np.isin(nodes, np.asarray(accepted, dtype=int))
-        if not len(nodes):
-            return
-        d, b = self._bins(tree, nodes)
-        np.add.at(self.seen, (d, b), 1.0)
-        np.add.at(self.accepted, (d[hit], b[hit]), 1.0)
+from specfit.plugins.acceptance.calibrated import CalibratedAcceptance  # noqa: F401 - its earlier home
 
 
 class DraftGate:
@@ -99,12 +69,31 @@ class DraftGate:
             self.skip_left = self.backoff
             self.backoff = min(2 * self.backoff, self.max_backoff)
 
+    STATE = ("spec_tokens", "spec_seconds", "plain_passes", "plain_seconds", "backoff", "skip_left")
+
+    def state(self) -> dict[str, float]:
+        """The decayed streams and the back-off: a new engine of this setup starts where this one is."""
+        return {k: getattr(self, k) for k in self.STATE}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Values that are not finite numbers >= 0 (a damaged file) leave the gate as it is."""
+        values = {k: state.get(k) for k in self.STATE}
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) and v >= 0
+                   for v in values.values()):
+            return
+        for k in ("spec_tokens", "spec_seconds", "plain_passes", "plain_seconds"):
+            setattr(self, k, float(values[k]))
+        self.backoff = int(min(max(values["backoff"], 1), self.max_backoff))
+        self.skip_left = int(min(values["skip_left"], self.max_backoff))
+
 
 @dataclass
 class CostAwareSelectorConfig(SelectorConfig):
     """Settings shared by the cost-aware selectors (specfit, greedy, prefix)."""
 
-    acceptance: str = "path_prob"  # path_prob (a_v = P_v) | calibrated (a_v = f(P_v, depth), learned online)
+    # the earlier spelling of the acceptance group: selector.acceptance=calibrated is acceptance=calibrated
+    # (with that estimator's default settings); prefer acceptance=NAME, whose settings are acceptance.*
+    acceptance: str = "path_prob"
     early_stop: bool = True  # the draft-stop rule; false drafts every level and selects at the end
     # D in T(S): the time the cycle has spent (measured) or the cost model's c_draft0 + c_level * depth
     # (modelled: decisions then depend on no clock, so a replay of a trace reproduces them exactly)
@@ -123,18 +112,28 @@ class CostAwareSelector(SelectorBase):
 
     def __init__(self, acceptance: str = "path_prob", early_stop: bool = True, draft_time: str = "measured",
                  draft_gate: bool = True, gate_max_backoff: int = 32) -> None:
-        if acceptance not in ("path_prob", "calibrated"):
-            raise ConfigError(f"selector.acceptance={acceptance!r} must be path_prob or calibrated")
         if draft_time not in ("measured", "modelled"):
             raise ConfigError(f"selector.draft_time={draft_time!r} must be measured or modelled")
         self.acceptance, self.early_stop, self.draft_time = acceptance, early_stop, draft_time
-        self.calibrator = CalibratedAcceptance() if acceptance == "calibrated" else None
+        self.estimator = estimator_named(acceptance, key="selector.acceptance")
+        self.acceptance_score = AcceptanceScore(estimator=self.estimator.name)
         self.gate = DraftGate(gate_max_backoff) if draft_gate else None
+        self.keeper: Any = None  # set by specfit.core.setup_state: saves what the gate and estimator learned
+        self._estimates: np.ndarray | None = None  # the last selection's a_v, scored once the outcome is known
         self._previous_rho = self._plain_seconds = 0.0
         self._last: tuple[float, float] | None = None  # (T(S*), C(root only) without drafting) of the last selection
 
+    def set_acceptance(self, estimator: Any) -> None:
+        """Use ``estimator`` (an :class:`~specfit.interfaces.AcceptanceEstimator`) for a_v from now on."""
+        from specfit.registry import check_plugin_instance
+
+        check_plugin_instance("acceptance", estimator)
+        self.estimator = estimator
+        self.acceptance_score = AcceptanceScore(estimator=estimator.name)
+
     def bind(self, spec: Any) -> None:
         self.spec = spec
+        self.estimator.bind(spec)
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -149,7 +148,16 @@ class CostAwareSelector(SelectorBase):
         raise NotImplementedError
 
     def accept_estimates(self, tree: DraftTree) -> np.ndarray:
-        return self.calibrator.estimate(tree) if self.calibrator is not None else tree.path_probs()
+        """a_v of every node, from the estimator; a wrong shape or a value outside [0, 1] names it."""
+        estimates = np.asarray(self.estimator.estimate(tree), dtype=np.float64)
+        if estimates.shape != (len(tree),) or not np.all((estimates >= 0) & (estimates <= 1)):
+            from specfit.errors import PluginError
+
+            raise PluginError(f"acceptance '{self.estimator.name}'.estimate returned {estimates.shape} values "
+                              f"(min {estimates.min(initial=0):.3g}, max {estimates.max(initial=0):.3g}); "
+                              f"expected {len(tree)} probabilities in [0, 1]")
+        self._estimates = estimates
+        return estimates
 
     def select(self, tree: DraftTree, ctx: SelectionContext) -> Selection:
         cost_model = ctx.cost_model
@@ -183,8 +191,15 @@ class CostAwareSelector(SelectorBase):
         return self.gate is None or self.gate.should_draft()
 
     def observe(self, tree: DraftTree, verified: Sequence[int], accepted: Sequence[int]) -> None:
-        if self.calibrator is not None:
-            self.calibrator.observe(tree, verified, accepted)
+        """Score the last selection's estimates against the settled outcomes, then let the
+        estimator learn from them."""
+        estimates, self._estimates = self._estimates, None
+        if not len(tree):
+            return
+        if estimates is not None and len(estimates) == len(tree):
+            nodes, hit = settled(tree, verified, accepted)
+            self.acceptance_score.add(estimates[nodes], hit)
+        self.estimator.observe(tree, verified, accepted)
 
     def observe_time(self, drafted: bool, committed: int, seconds: float) -> None:
         """A finished cycle, for the draft gate: whether it drafted, the tokens it committed and the
@@ -193,6 +208,8 @@ class CostAwareSelector(SelectorBase):
         With ``draft_time=modelled`` the gate uses the cost model's predictions instead of
         ``seconds`` (decisions then depend on no clock). Otherwise plain passes are timed when the
         gate skips drafting; until one has been, the cost model's C(root only) stands in."""
+        if self.keeper is not None:
+            self.keeper.tick()
         if self.gate is None:
             return
         predicted, self._last = self._last, None

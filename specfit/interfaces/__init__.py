@@ -1,10 +1,10 @@
 """Everything a plug-in package needs, in one place (as an ``llm`` plug-in imports from ``llm``).
 
 - the contracts, one Protocol per kind: :class:`Drafter`, :class:`Selector`, :class:`CostModel`,
-  :class:`ExpertCache`, :class:`ExpertPredictor`;
+  :class:`ExpertCache`, :class:`ExpertPredictor`, :class:`AcceptanceEstimator`;
 - their base classes, with the optional hooks as documented no-ops: :class:`DrafterBase`, ...;
 - the base config of each kind (:class:`DrafterConfig`, :class:`SelectorConfig`,
-  :class:`CostModelConfig`, :class:`CacheConfig`, :class:`PredictorConfig`);
+  :class:`CostModelConfig`, :class:`CacheConfig`, :class:`PredictorConfig`, :class:`AcceptanceConfig`);
 - what the hooks exchange: :class:`DraftTree`, :class:`Selection`, :class:`SelectionContext`
   (and :data:`ACCEPTED_KEY`, a key of its ``extra``), :class:`Admission`;
 - the ``hookimpl`` marker;
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from specfit.core.tree import ROOT, DraftTree
 from specfit.interfaces.bases import (
+    AcceptanceEstimatorBase,
     CostModelBase,
     DrafterBase,
     ExpertCacheBase,
@@ -25,6 +26,7 @@ from specfit.interfaces.bases import (
 from specfit.interfaces.configs import (
     CONSUMED_ELSEWHERE,
     PLUGIN_BASES,
+    AcceptanceConfig,
     CacheConfig,
     CostModelConfig,
     DrafterConfig,
@@ -37,6 +39,7 @@ from specfit.interfaces.hookspecs import hookimpl, hookspec
 from specfit.interfaces.protocols import (
     ACCEPTED_KEY,
     KINDS,
+    AcceptanceEstimator,
     Admission,
     Contract,
     CostModel,
@@ -61,6 +64,9 @@ __all__ = [
     "KINDS",
     "PLUGIN_BASES",
     "ROOT",
+    "AcceptanceConfig",
+    "AcceptanceEstimator",
+    "AcceptanceEstimatorBase",
     "Admission",
     "CacheConfig",
     "Contract",

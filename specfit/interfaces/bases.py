@@ -154,3 +154,26 @@ class ExpertPredictorBase(ABC):
 
     def observe(self, tokens: Sequence[int], routing: np.ndarray) -> None:
         pass
+
+
+class AcceptanceEstimatorBase(ABC):
+    """Required: ``estimate(tree)``. Defaults: ``bind`` does nothing, ``observe`` ignores what it is
+    told, ``state()`` keeps nothing (None) and ``load_state`` ignores what it is given."""
+
+    name: ClassVar[str]
+
+    def bind(self, spec: MoESpec) -> None:
+        pass
+
+    @abstractmethod
+    def estimate(self, tree: DraftTree) -> np.ndarray:
+        ...
+
+    def observe(self, tree: DraftTree, verified: Sequence[int], accepted: Sequence[int]) -> None:
+        pass
+
+    def state(self) -> dict[str, Any] | None:
+        return None
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        pass

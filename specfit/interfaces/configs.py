@@ -49,6 +49,11 @@ class PredictorConfig(PluginConfig):
 
 
 @dataclass
+class AcceptanceConfig(PluginConfig):
+    pass
+
+
+@dataclass
 class LinkConfig:
     """Emulated host-to-device link (``cache.copy=emulated``): explicit values override the profile."""
 
@@ -99,6 +104,7 @@ PLUGIN_BASES: dict[str, type[PluginConfig]] = {
     "cost_model": CostModelConfig,
     "cache": CacheConfig,
     "predictor": PredictorConfig,
+    "acceptance": AcceptanceConfig,
 }
 
 # Config fields of a kind that something other than the plug-in reads (so the registry does not pass
@@ -109,4 +115,5 @@ CONSUMED_ELSEWHERE: dict[str, dict[str, str]] = {
     "cost_model": {},
     "cache": {"copy": "specfit.build (the copy engine)", "link": "specfit.build (the emulated link)"},
     "predictor": {},
+    "acceptance": {},
 }

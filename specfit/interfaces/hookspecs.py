@@ -50,5 +50,11 @@ def register_predictors(register: Register) -> None:
 
 
 @hookspec
+def register_acceptance_estimators(register: Register) -> None:
+    """Register acceptance estimators for the cost-aware selectors (see
+    :class:`specfit.interfaces.AcceptanceEstimator`)."""
+
+
+@hookspec
 def register_configs(config_store) -> None:  # noqa: ANN001 - hydra's ConfigStore, imported lazily
     """Add extra Hydra config nodes (presets for the ``model`` or ``workload`` groups, say)."""

@@ -173,6 +173,40 @@ class Selector(Protocol):
         live; in a trace replay, the seconds the cost model charged)."""
 
 
+# --------------------------------------------------------------------------- acceptance estimators
+
+
+@runtime_checkable
+class AcceptanceEstimator(Protocol):
+    """Estimates a_v, the probability that the target accepts drafted node v, for the cost-aware
+    selectors' N(S) = sum of a_v (docs/method.md section 3).
+
+    The selector that owns it calls ``estimate`` after each draft level and ``observe`` after each
+    verification; ``state`` / ``load_state`` carry what it learned from one engine to the next of
+    the same setup (stored beside the calibration). Optional (defaults in
+    ``AcceptanceEstimatorBase``): ``bind``, ``observe``, ``state`` (nothing to keep), ``load_state``.
+    """
+
+    name: ClassVar[str]
+
+    def bind(self, spec: MoESpec) -> None:
+        """Prepare for a model (``spec``: layers, experts, top-k)."""
+
+    def estimate(self, tree: DraftTree) -> np.ndarray:
+        """float [len(tree)]: a_v in [0, 1] for every drafted node, known before verification."""
+
+    def observe(self, tree: DraftTree, verified: Sequence[int], accepted: Sequence[int]) -> None:
+        """After verification: the nodes verified and those accepted; after a greedy pass
+        ``tree.greedy_next`` is set and :func:`specfit.core.tree.greedy_outcomes` settles most
+        unverified nodes too."""
+
+    def state(self) -> dict[str, Any] | None:
+        """What to keep for the next engine of this setup (JSON-able), or None."""
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Start from what an earlier engine of this setup kept (``state()``'s value)."""
+
+
 # --------------------------------------------------------------------------- cost models
 
 
@@ -243,6 +277,7 @@ KINDS: dict[str, type] = {
     "cost_model": CostModel,
     "cache": ExpertCache,
     "predictor": ExpertPredictor,
+    "acceptance": AcceptanceEstimator,
 }
 
 

@@ -1,0 +1,16 @@
+"""Built-in acceptance estimators (``acceptance=...``): path_prob (a_v = P_v, the default),
+calibrated (P_v corrected per depth and probability bin from observed acceptances), learned (a
+small online logistic model over features known at selection time)."""
+
+from specfit.interfaces import hookimpl
+
+
+@hookimpl
+def register_acceptance_estimators(register):
+    from specfit.plugins.acceptance.calibrated import CalibratedAcceptance
+    from specfit.plugins.acceptance.learned import LearnedAcceptance
+    from specfit.plugins.acceptance.path_prob import PathProbAcceptance
+
+    register(PathProbAcceptance)
+    register(CalibratedAcceptance)
+    register(LearnedAcceptance)

@@ -1,0 +1,231 @@
+"""a_v learned online: a logistic model of P(v accepted | its parent accepted), multiplied down the path.
+
+Features of node v, all known when the selector runs (before verification):
+
+- ``logit_q``: logit of v's own draft probability q(v | parent path);
+- ``top_sibling``: 1 when v is its parent's most likely child, and ``log_rank``: log(1 + its rank
+  among its siblings by q);
+- ``log_depth``: log of v's depth;
+- ``parent_path``: the parent's log path probability / 10 (0 for the root's children);
+- ``parent_confidence``: logit of the largest q among v's siblings, which stands in for the head's
+  entropy at the parent: the EAGLE-3 drafter keeps only its top-k log-probabilities in the tree,
+  not the distribution, so the entropy itself is not available (a peaked head has one sibling
+  near 1, a flat one none);
+- ``recent``: logit of the recent acceptance rate of top-ranked children (an exponential average
+  over cycles, decay ``recent_decay``), which follows how predictable the current text is.
+
+The target's probability of the root token at the last verification would be a further feature;
+no verifier hands it to selectors today (the tree carries the root token only), so it is left out.
+
+The model starts at w0 = (logit_q: 1, the rest 0): a_v then equals q(v) and the path product is
+P_v, so an untrained ``learned`` estimator is ``path_prob``. Learning is a Laplace-approximate
+Bayesian update per verified tree: Newton steps on the tree's conditional samples (see
+:func:`specfit.core.acceptance_estimators.conditional`) plus a Gaussian prior at the current
+weights with precision H, then H grows by the samples' Hessian. H decays by ``forget`` per tree
+towards the initial ``prior_strength * I``, so old evidence fades and new text can move the model.
+Everything is numpy, deterministic, and a few microseconds per tree. The state (w, H, the recent
+rate) persists per setup; ``specfit fit-acceptance`` fits it offline from a trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from specfit.core.acceptance_estimators import conditional
+from specfit.core.tree import ROOT
+from specfit.errors import ConfigError
+from specfit.interfaces import AcceptanceConfig, AcceptanceEstimatorBase, DraftTree
+from specfit.validation import integer, number
+
+FEATURES = ("bias", "logit_q", "top_sibling", "log_rank", "log_depth", "parent_path", "parent_confidence", "recent")
+CLIP = 1e-6
+
+
+def _logit(p: np.ndarray | float) -> np.ndarray:
+    p = np.clip(p, CLIP, 1 - CLIP)
+    return np.log(p) - np.log1p(-p)
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * z))  # overflow-free
+
+
+def features(tree: DraftTree, recent: float) -> np.ndarray:
+    """float [len(tree), len(FEATURES)]: each node's features (see the module docstring)."""
+    n = len(tree)
+    x = np.zeros((n, len(FEATURES)))
+    if not n:
+        return x
+    log_q = np.asarray(tree.log_probs, dtype=np.float64)
+    parents = np.asarray(tree.parents, dtype=np.int64)
+    group = np.where(parents == ROOT, n, parents)  # siblings share a group
+    order = np.lexsort((np.arange(n), -log_q, group))  # by parent, then q descending
+    first = np.r_[0, np.flatnonzero(np.diff(group[order])) + 1]
+    starts = np.repeat(first, np.diff(np.r_[first, n]))
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n) - starts
+    best = np.empty(n)
+    best[order] = log_q[order][starts]
+    path = np.asarray(tree.path_log_probs, dtype=np.float64)
+    x[:, 0] = 1.0
+    x[:, 1] = _logit(np.exp(log_q))
+    x[:, 2] = rank == 0
+    x[:, 3] = np.log1p(rank)
+    x[:, 4] = np.log(np.asarray(tree.depths, dtype=np.float64))
+    x[:, 5] = np.where(parents == ROOT, 0.0, np.maximum(path[np.maximum(parents, 0)], -30.0) / 10.0)
+    x[:, 6] = _logit(np.exp(best))
+    x[:, 7] = float(_logit(recent))
+    return x
+
+
+def initial_weights() -> np.ndarray:
+    w = np.zeros(len(FEATURES))
+    w[FEATURES.index("logit_q")] = 1.0
+    return w
+
+
+@dataclass
+class LearnedAcceptanceConfig(AcceptanceConfig):
+    name: str = "learned"
+    # precision of the prior at w0 (a_v = P_v): observations needed before the data outweighs it
+    prior_strength: float = 20.0
+    forget: float = 0.995  # per observed tree, the evidence kept (1: never forget)
+    recent_decay: float = 0.9  # per observed tree, for the recent acceptance rate
+    newton_steps: int = 2  # per observed tree
+    # the learned state: auto (this setup's, beside the calibration; kept as the engine learns) |
+    # a file written by `specfit fit-acceptance` (loaded once; the engine's learning is not saved)
+    state_file: str = "auto"
+
+    def __post_init__(self) -> None:
+        number("acceptance.prior_strength", self.prior_strength, minimum=1e-9)
+        number("acceptance.forget", self.forget, minimum=0.5, maximum=1.0)
+        number("acceptance.recent_decay", self.recent_decay, minimum=0.0, maximum=1.0)
+        integer("acceptance.newton_steps", self.newton_steps, minimum=1)
+        if not isinstance(self.state_file, str) or not self.state_file:
+            raise ConfigError(f"acceptance.state_file={self.state_file!r} must be auto or a file path")
+
+
+class LearnedAcceptance(AcceptanceEstimatorBase):
+    """a_v = prod over v's path of sigmoid(w . x(u)): a logistic model of conditional acceptance."""
+
+    name = "learned"
+    Config = LearnedAcceptanceConfig
+
+    def __init__(self, prior_strength: float = 20.0, forget: float = 0.995, recent_decay: float = 0.9,
+                 newton_steps: int = 2, state_file: str = "auto") -> None:
+        self.prior_strength, self.forget, self.recent_decay = prior_strength, forget, recent_decay
+        self.newton_steps, self.state_file = newton_steps, state_file
+        self.weights = initial_weights()
+        self.precision = prior_strength * np.eye(len(FEATURES))
+        self.recent = 0.5
+        self.trees = 0  # trees learned from, this engine and earlier ones
+
+    def bind(self, spec: Any) -> None:
+        """Load ``state_file`` when it names a file (``auto``: the setup's state is given by
+        :mod:`specfit.core.setup_state`, not read here)."""
+        if self.state_file != "auto":
+            self.load_state(load_state_file(self.state_file), strict=True)
+
+    def conditional_estimate(self, tree: DraftTree) -> np.ndarray:
+        """P(v accepted | its parent accepted) for every node."""
+        return _sigmoid(features(tree, self.recent) @ self.weights)
+
+    def estimate(self, tree: DraftTree) -> np.ndarray:
+        a = self.conditional_estimate(tree)
+        parents = tree.parents
+        for d in range(2, tree.depth + 1):  # levels are contiguous, parents on the level above
+            level = tree.level(d)
+            a[level.start:level.stop] *= a[np.asarray(parents[level.start:level.stop])]
+        return a
+
+    def observe(self, tree: DraftTree, verified: Sequence[int], accepted: Sequence[int]) -> None:
+        nodes, hit = conditional(tree, verified, accepted)
+        if not len(nodes):
+            return
+        x = features(tree, self.recent)[nodes]
+        self.update(x, hit.astype(np.float64))
+        top = x[:, FEATURES.index("top_sibling")] == 1
+        if top.any():
+            self.recent = self.recent_decay * self.recent + (1 - self.recent_decay) * float(hit[top].mean())
+
+    def update(self, x: np.ndarray, y: np.ndarray) -> None:
+        """One Bayesian step: the MAP weights under a Gaussian prior at the current ones."""
+        prior = self.forget * self.precision + (1 - self.forget) * self.prior_strength * np.eye(len(FEATURES))
+        w0, w = self.weights, self.weights.copy()
+        for _ in range(self.newton_steps):
+            p = _sigmoid(x @ w)
+            gradient = prior @ (w - w0) + x.T @ (p - y)
+            hessian = prior + (x * (p * (1 - p))[:, None]).T @ x
+            w = w - np.linalg.solve(hessian, gradient)
+        p = _sigmoid(x @ w)
+        self.weights = w
+        self.precision = prior + (x * (p * (1 - p))[:, None]).T @ x
+        self.trees += 1
+
+    def fit(self, x: np.ndarray, y: np.ndarray, steps: int = 25) -> None:
+        """Offline: the MAP weights of all samples at once under the prior at w0 (Newton to convergence)."""
+        prior = self.prior_strength * np.eye(len(FEATURES))
+        w0 = initial_weights()
+        w = w0.copy()
+        for _ in range(steps):
+            p = _sigmoid(x @ w)
+            hessian = prior + (x * (p * (1 - p))[:, None]).T @ x
+            step = np.linalg.solve(hessian, prior @ (w - w0) + x.T @ (p - y))
+            w = w - step
+            if np.max(np.abs(step)) < 1e-9:
+                break
+        p = _sigmoid(x @ w)
+        self.weights, self.precision = w, prior + (x * (p * (1 - p))[:, None]).T @ x
+
+    def state(self) -> dict[str, Any]:
+        return {"features": list(FEATURES), "weights": self.weights.tolist(), "precision": self.precision.tolist(),
+                "recent": self.recent, "trees": self.trees}
+
+    def load_state(self, state: dict[str, Any], strict: bool = False) -> None:
+        """A state for other features (another version) or with bad values is ignored, and the
+        model starts at w0; ``strict`` (a file the user named): a ConfigError instead."""
+        problem = _state_problem(state)
+        if problem:
+            if strict:
+                raise ConfigError(f"acceptance.state_file={self.state_file}: {problem}")
+            return
+        self.weights = np.asarray(state["weights"], dtype=np.float64)
+        self.precision = np.asarray(state["precision"], dtype=np.float64)
+        self.recent = float(state.get("recent", 0.5))
+        self.trees = int(state.get("trees", 0)) if isinstance(state.get("trees", 0), int) else 0
+
+
+def _state_problem(state: Any) -> str | None:
+    """Why ``state`` is not a learned model of these features, or None."""
+    if not isinstance(state, dict) or state.get("features") != list(FEATURES):
+        return f"not a learned acceptance model of the features {', '.join(FEATURES)}"
+    try:
+        weights = np.asarray(state.get("weights"), dtype=np.float64)
+        precision = np.asarray(state.get("precision"), dtype=np.float64)
+    except (TypeError, ValueError):
+        return "weights and precision must be numbers"
+    if weights.shape != (len(FEATURES),) or precision.shape != (len(FEATURES),) * 2:
+        return f"weights must be {len(FEATURES)} numbers and precision {len(FEATURES)}x{len(FEATURES)}"
+    if not (np.all(np.isfinite(weights)) and np.all(np.isfinite(precision))):
+        return "weights and precision must be finite"
+    recent = state.get("recent", 0.5)
+    if isinstance(recent, bool) or not isinstance(recent, (int, float)) or not 0 <= recent <= 1:
+        return f"recent={recent!r} must be a rate in [0, 1]"
+    return None
+
+
+def load_state_file(path: str) -> dict[str, Any]:
+    """The model a ``specfit fit-acceptance`` run wrote (its ``"state"`` object)."""
+    from pathlib import Path
+
+    from specfit.files import read_json_object
+
+    file = Path(path).expanduser()
+    where = f"acceptance.state_file={path}"
+    if not file.is_file():
+        raise ConfigError(f"{where}: no such file (`specfit fit-acceptance trace.path=DIR` writes one)")
+    data = read_json_object(file, where, ConfigError, "not a learned acceptance model")
+    return data.get("state", data)
