@@ -165,8 +165,8 @@ def test_random_head_is_seeded():
         ("no_weights", r"no weights \(model.safetensors or pytorch_model.bin\)"),
         ("missing_tensor", "missing tensors midlayer.self_attn.q_proj.weight"),
         ("wrong_shape", r"tensor fc.weight has shape \(64, 10\)"),
-        ("variant_flag", "variant flag norm_before_residual=True is not supported"),
-        ("two_layers", "num_hidden_layers=2"),
+        ("variant_flag", "variant flag parallel_drafting=True is not supported"),
+        ("two_layers", "missing tensors layers.1.input_layernorm.weight"),  # config: 2 layers, weights: 1
         ("wrong_vocab", "head vocab_size 300 differs from the target's 256"),
     ],
 )
@@ -191,7 +191,7 @@ def test_malformed_head_directories_give_clear_errors(tmp_path, breakage, patter
             state["fc.weight"] = torch.zeros(64, 10)
         save_file(state, str(weights))
     elif breakage == "variant_flag":
-        config["norm_before_residual"] = True
+        config["parallel_drafting"] = True
     elif breakage == "two_layers":
         config["num_hidden_layers"] = 2
     elif breakage == "wrong_vocab":

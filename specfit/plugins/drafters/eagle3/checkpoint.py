@@ -1,4 +1,5 @@
-"""Reading and writing EAGLE-3 heads in the public layout (config.json + safetensors or .bin)."""
+"""Reading and writing EAGLE-3 heads: config.json (see layouts.py) plus weights in one safetensors or
+.bin file, or in shards named by a ``*.index.json``; tensors are matched strictly against the config."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ from torch import nn
 from specfit.errors import ModelError
 from specfit.files import read_json_object
 from specfit.plugins.drafters.eagle3.head import Eagle3Config, Eagle3Head
+from specfit.plugins.drafters.eagle3.layouts import config_from_json, config_to_hf, tensor_names
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+LISTED = 12  # tensor names an error lists before counting the rest
 
 
 def head_config_for(target: nn.Module) -> Eagle3Config:
@@ -50,22 +54,24 @@ def random_head(cfg: Eagle3Config, seed: int = 0, std: float = 0.02) -> Eagle3He
 
 
 def save_head(head: Eagle3Head, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write ``head`` in the HF layout (``midlayer.*``, further layers ``layers.<i>.*``); the target's
+    shared embedding or lm_head, which the head does not own, is not written."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    config = config_to_hf(head.cfg)
     state = {k: v.detach().contiguous() for k, v in head.state_dict().items() if not k.startswith("rotary.")}
     if dtype is not None:
         state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
     save_file(state, str(path / "model.safetensors"))
-    config = head.cfg.to_hf()
     config["torch_dtype"] = str(dtype or next(head.parameters()).dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
 
 
 def load_head(path: str | Path) -> Eagle3Head:
-    """Load a head directory; every problem is reported with the file and tensor it concerns."""
+    """Load a head directory; every problem is reported with the file, field or tensor it concerns."""
     path = Path(path).expanduser()
     if not path.is_dir():
         raise ModelError(f"drafter.path={path}: no such directory")
@@ -74,36 +80,57 @@ def load_head(path: str | Path) -> Eagle3Head:
         raise ModelError(f"drafter.path={path}: no config.json")
     raw = read_json_object(config_file, str(config_file), ModelError)
     try:
-        cfg = Eagle3Config.from_hf(raw, str(config_file))
+        cfg = config_from_json(raw, str(config_file))
     except (TypeError, ValueError, AttributeError) as exc:  # a value of the wrong type, e.g. "hidden_size": "big"
         raise ModelError(f"{config_file}: not an EAGLE-3 head config ({type(exc).__name__}: {exc})") from exc
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "vocab_size", "draft_vocab_size", "target_hidden_size"):
         if getattr(cfg, key) < 1:
             raise ModelError(f"{config_file}: {key}={getattr(cfg, key)} must be >= 1")
-    state = _read_state(path)
-    state = {k.removeprefix("model."): v for k, v in state.items()}
+    state = tensor_names(_read_state(path), raw)
     head = Eagle3Head(cfg)
     if "embed_tokens.weight" in state:
         head.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    if "lm_head.weight" not in state:
+        head.lm_head = None  # the target's rows of the draft vocabulary, given at bind
+    if not cfg.use_aux_hidden_state:  # as vLLM: an fc the config says is unused is not loaded
+        state = {k: v for k, v in state.items() if not k.startswith("fc.")}
     expected = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary.")}
     optional = {"t2d"} | ({"d2t"} if cfg.draft_vocab_size == cfg.vocab_size else set())
-    missing = sorted(set(expected) - set(state) - optional)
-    if missing:
-        raise ModelError(f"{path}: missing tensors {', '.join(missing)}")
-    unknown = sorted(set(state) - set(expected))
-    if unknown:
-        raise ModelError(f"{path}: unexpected tensors {', '.join(unknown[:6])} (not an EAGLE-3 head?)")
+    if not cfg.norm_output and not cfg.feed_normed:
+        optional.add("norm.weight")  # SpecForge's norm_output=false: the final norm is never applied
+    _check_names(path, config_file, set(expected), set(state), optional)
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise ModelError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, config.json implies {tuple(expected[name].shape)}")
-    dtype = state["fc.weight"].dtype
+    dtype = next(t.dtype for k, t in state.items() if t.is_floating_point())
     head.to(dtype)
-    head.load_state_dict(state, strict=False)
+    state = {**{k: expected[k] for k in optional - set(state)}, **state}
     if "d2t" in state:
-        head.d2t.copy_(state["d2t"].long())
+        state["d2t"] = state["d2t"].long()
+    if "t2d" in state:
+        state["t2d"] = state["t2d"].bool()
+    head.load_state_dict(state, strict=True)
     head.source = str(path)  # named by errors about how the head fits its target
     return head.eval()
+
+
+def _check_names(path: Path, config_file: Path, expected: set[str], found: set[str], optional: set[str]) -> None:
+    """Missing and unexpected tensors, all in one line (a missing tensor is never left random)."""
+    missing, unexpected = sorted(expected - found - optional), sorted(found - expected)
+    if not missing and not unexpected:
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing tensors {_listed(missing)}")
+    if unexpected:
+        parts.append(f"unexpected tensors {_listed(unexpected)}")
+    raise ModelError(f"{path}: weights do not match {config_file.name}: {'; '.join(parts)}")
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(names[:LISTED])
+    return shown + (f" (and {len(names) - LISTED} more)" if len(names) > LISTED else "")
 
 
 def check_head_fits(head: Eagle3Head, target_config: object) -> None:
@@ -118,6 +145,9 @@ def check_head_fits(head: Eagle3Head, target_config: object) -> None:
     if head.embed_tokens is None and cfg.hidden_size != tc.hidden_size:
         raise ModelError(f"{where}: head has no embed_tokens and its hidden_size {cfg.hidden_size} differs from the "
                          f"target's {tc.hidden_size}, whose embeddings it would use")
+    if head.lm_head is None and cfg.hidden_size != tc.hidden_size:
+        raise ModelError(f"{where}: head has no lm_head and its hidden_size {cfg.hidden_size} differs from the "
+                         f"target's {tc.hidden_size}, whose lm_head it would use")
     layers = getattr(tc, "num_hidden_layers", None)
     if cfg.aux_layer_ids and layers is not None and not all(0 <= i < layers for i in cfg.aux_layer_ids):
         raise ModelError(f"{where}: head eagle_aux_hidden_state_layer_ids {cfg.aux_layer_ids} do not fit the "
@@ -131,21 +161,46 @@ def check_head_fits(head: Eagle3Head, target_config: object) -> None:
 
 
 def _read_state(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the head: one weight file, else the shards its index names."""
+    for name in WEIGHT_FILES:
+        if (path / name).is_file():
+            return _read_file(path / name, path)
+    for name in INDEX_FILES:
+        if (path / name).is_file():
+            return _read_shards(path / name, path)
+    raise ModelError(f"drafter.path={path}: no weights ({' or '.join(WEIGHT_FILES)}) and no {INDEX_FILES[0]}")
+
+
+def _read_shards(index: Path, path: Path) -> dict[str, torch.Tensor]:
+    """The shards an index names; a tensor the index places in a shard that lacks it is an error."""
+    weight_map = read_json_object(index, str(index), ModelError).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ModelError(f"{index}: no weight_map (tensor name -> shard file)")
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        file = path / shard
+        if Path(shard).name != shard or not file.is_file():
+            raise ModelError(f"{index}: names shard {shard}, which is not a file in {path}")
+        tensors = _read_file(file, path)
+        listed = sorted(k for k, v in weight_map.items() if v == shard and k not in tensors)
+        if listed:
+            raise ModelError(f"{index}: places tensors {_listed(listed)} in {shard}, which does not hold them")
+        state.update(tensors)
+    return state
+
+
+def _read_file(file: Path, path: Path) -> dict[str, torch.Tensor]:
     from specfit.core.loading import check_safetensors
 
-    for name in WEIGHT_FILES:
-        file = path / name
-        if not file.is_file():
-            continue
-        if name.endswith(".safetensors"):
-            check_safetensors(file, f"drafter.path={path}")  # truncated or not safetensors: a clear line
-        try:
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
+    safetensors = file.name.endswith(".safetensors")
+    if safetensors:
+        check_safetensors(file, f"drafter.path={path}")  # truncated or not safetensors: a clear line
+    try:
+        if safetensors:
+            from safetensors.torch import load_file
 
-                return load_file(str(file))
-            return torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - corrupt or truncated files raise many types
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            raise ModelError(f"{file}: cannot read weights ({type(exc).__name__}: {first})") from exc
-    raise ModelError(f"drafter.path={path}: no weights ({' or '.join(WEIGHT_FILES)})")
+            return load_file(str(file))
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - corrupt or truncated files raise many types
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ModelError(f"{file}: cannot read weights ({type(exc).__name__}: {first})") from exc

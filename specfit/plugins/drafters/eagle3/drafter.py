@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from specfit.errors import ConfigError, ModelError
 from specfit.interfaces import ROOT, DrafterBase, DrafterConfig, DraftTree
 from specfit.plugins.drafters.eagle3.checkpoint import check_head_fits, head_config_for, load_head, random_head
-from specfit.plugins.drafters.eagle3.head import Eagle3Head, KVBuffer
+from specfit.plugins.drafters.eagle3.head import Eagle3Head
 from specfit.validation import integer, optional_integer
 
 
@@ -116,14 +116,22 @@ class Eagle3Drafter(DrafterBase):
         self.head.to(device=self.device, dtype=self.dtype)
         if self.head.embed_tokens is None:
             self.head.set_target_embedding(model.get_input_embeddings())
-        n = tc.num_hidden_layers
+        if self.head.lm_head is None:  # a head saved without lm_head: the target's rows of its draft vocabulary
+            self.head.set_target_lm_head(model.get_output_embeddings())
+        self._layers = self._feature_layers(cfg, tc.num_hidden_layers)
+
+    @staticmethod
+    def _feature_layers(cfg: Any, n: int) -> tuple[int, ...]:
+        """HF hidden-state indices the head fuses: the last one alone (use_aux_hidden_state: false), the
+        configured ids (shifted by their convention's offset), or EAGLE's default three."""
+        if not cfg.use_aux_hidden_state:
+            return (n,)
         if cfg.aux_layer_ids:
-            layers = [i + 1 for i in cfg.aux_layer_ids]  # output of layer i is HF hidden_states[i + 1]
-            if max(layers) > n or min(layers) < 1:
+            layers = [i + cfg.aux_layer_offset for i in cfg.aux_layer_ids]
+            if max(layers) > n or min(layers) < 0:
                 raise ModelError(f"EAGLE-3 head eagle_aux_hidden_state_layer_ids {cfg.aux_layer_ids} do not fit a {n}-layer target")
-        else:
-            layers = [2, n // 2, n - 3] if n >= 4 else [min(2, n), n // 2 or 1, max(n - 3, 1)]
-        self._layers = tuple(layers)
+            return tuple(layers)
+        return tuple([2, n // 2, n - 3] if n >= 4 else [min(2, n), n // 2 or 1, max(n - 3, 1)])
 
     def feature_layers(self) -> Sequence[int]:
         return self._layers
@@ -131,7 +139,7 @@ class Eagle3Drafter(DrafterBase):
     # ------------------------------------------------------------------ sequence state
 
     def start(self, prompt_ids: Sequence[int], features: torch.Tensor | None, next_token: int) -> None:
-        self.kv = KVBuffer(self.head.cfg.num_key_value_heads, self.head.cfg.head_dim, self.dtype, self.device)
+        self.kv = self.head.new_cache(self.dtype, self.device)
         self.pending_features, self.pending_tokens = None, []
         self._pending(prompt_ids, features, next_token)
 

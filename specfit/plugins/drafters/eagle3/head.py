@@ -1,15 +1,20 @@
-"""The EAGLE-3 draft head: one Llama-style decoder layer over [embedding ; fused target features].
+"""The EAGLE-3 draft head: Llama-style decoder layers over [embedding ; fused target features].
 
-Weight names follow the public layout (EAGLE-3, SpecForge, SGLang): ``fc``, ``midlayer.*``,
-``norm``, ``lm_head``, ``d2t`` and ``t2d``, and an optional ``embed_tokens`` (else the target's).
+Weight names follow the public layout (EAGLE-3, SpecForge, SGLang): ``fc``, ``midlayer.*`` (the
+first layer), ``layers.<i>.*`` (further layers, when ``num_hidden_layers`` > 1), ``norm``,
+``lm_head``, ``d2t`` and ``t2d``; optionally ``embed_tokens`` and ``fc_norm.<i>`` / ``input_norm``.
+A head without ``embed_tokens`` or ``lm_head`` uses the target's (as vLLM does).
+
 One step maps (hidden h_t, token x_{t+1}) at position t to a new hidden, whose logits predict
-x_{t+2}; h_t is ``fc`` of three target layers' features for committed tokens, and the head's own
-previous output inside the draft tree.
+x_{t+2}; h_t is ``fc`` of the target's features for committed tokens (several layers' hidden
+states, or only the last one when ``use_aux_hidden_state`` is false), and the head's own previous
+output inside the draft tree. The first layer reads [norm(embedding) ; norm(h)] (2H wide); further
+layers are plain pre-norm decoder layers over H (vLLM's ``llama_eagle3`` and ``speculators``).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,8 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from specfit.errors import ModelError
-
-UNSUPPORTED_FLAGS = ("norm_before_residual", "fc_norm", "use_aux_norm", "parallel_drafting")
 
 
 @dataclass
@@ -36,63 +39,24 @@ class Eagle3Config:
     rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     hidden_act: str = "silu"
     fc_bias: bool = False
-    # SGLang/SpecForge convention: the outputs of these target layers (HF hidden_states index i + 1)
+    # the target layers whose hidden states are fused; HF ``hidden_states`` index = id + aux_layer_offset
+    # (SGLang / SpecForge count layer outputs: offset 1; vLLM / speculators count layer inputs: offset 0)
     aux_layer_ids: list[int] | None = None
+    aux_layer_offset: int = 1
+    num_hidden_layers: int = 1
+    use_aux_hidden_state: bool = True  # False: no fc, the head reads the target's last hidden state
+    fc_norm: bool = False  # an RMSNorm on each fused feature before fc (EAGLE-3.1: SpecForge, speculators)
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated features before fc (speculators)
+    norm_before_residual: bool = False  # the first layer's residual is the normed hidden, not the raw one
+    norm_output: bool = True  # SpecForge's flag: the final norm before lm_head (False: none)
+    feed_normed: bool = False  # speculators' norm_output: the normed hidden is also what the next step reads
 
-    @classmethod
-    def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> Eagle3Config:
-        """Parse a public head's config.json, rejecting variants this head does not implement."""
-        for flag in UNSUPPORTED_FLAGS:
-            if raw.get(flag):
-                raise ModelError(f"{source}: EAGLE-3 variant flag {flag}={raw[flag]!r} is not supported")
-        if raw.get("num_hidden_layers", 1) != 1:
-            raise ModelError(f"{source}: num_hidden_layers={raw['num_hidden_layers']}; only one-layer EAGLE-3 heads are supported")
-        missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in raw]
-        if missing:
-            raise ModelError(f"{source}: missing {', '.join(missing)}")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ModelError(f"{source}: hidden_act={raw['hidden_act']!r}; the EAGLE-3 head implements silu only")
-        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
-        eagle = raw.get("eagle_config") or {}
-        aux = raw.get("eagle_aux_hidden_state_layer_ids", eagle.get("eagle_aux_hidden_state_layer_ids"))
-        rope = raw.get("rope_parameters")
-        if not rope:
-            rope = dict(raw.get("rope_scaling") or {})
-            rope.setdefault("rope_type", rope.pop("type", "default"))
-            rope["rope_theta"] = float(raw.get("rope_theta", 10000.0))
-        return cls(
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),  # honour head_dim (Qwen3 heads set it)
-            vocab_size=int(raw["vocab_size"]),
-            draft_vocab_size=int(raw.get("draft_vocab_size") or raw["vocab_size"]),
-            target_hidden_size=int(raw.get("target_hidden_size") or hidden),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            rope_parameters=rope,
-            hidden_act=str(raw.get("hidden_act", "silu")),
-            fc_bias=bool(raw.get("bias", False)),
-            aux_layer_ids=list(aux) if aux else None,
-        )
-
-    def to_hf(self) -> dict[str, Any]:
-        """config.json in the public layout (loadable by SGLang / vLLM as LlamaForCausalLMEagle3)."""
-        d = asdict(self)
-        rope = d.pop("rope_parameters")
-        aux = d.pop("aux_layer_ids")
-        d["bias"] = d.pop("fc_bias")
-        return {
-            "architectures": ["LlamaForCausalLMEagle3"],
-            "model_type": "llama",
-            "num_hidden_layers": 1,
-            "tie_word_embeddings": False,
-            "rope_theta": rope["rope_theta"],
-            "rope_scaling": None if rope.get("rope_type", "default") == "default" else {k: v for k, v in rope.items() if k != "rope_theta"},
-            **d,
-            **({"eagle_config": {"eagle_aux_hidden_state_layer_ids": aux}} if aux else {}),
-        }
+    @property
+    def num_aux(self) -> int:
+        """How many target hidden states the head fuses (1: the last, when use_aux_hidden_state is false)."""
+        if not self.use_aux_hidden_state:
+            return 1
+        return len(self.aux_layer_ids) if self.aux_layer_ids else 3
 
 
 class RMSNorm(nn.Module):
@@ -109,13 +73,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Eagle3Config) -> None:
+    def __init__(self, cfg: Eagle3Config, in_features: int) -> None:
         super().__init__()
-        h2, hd = 2 * cfg.hidden_size, cfg.head_dim
+        hd = cfg.head_dim
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = nn.Linear(h2, self.heads * hd, bias=False)
-        self.k_proj = nn.Linear(h2, self.kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(h2, self.kv_heads * hd, bias=False)
+        self.q_proj = nn.Linear(in_features, self.heads * hd, bias=False)
+        self.k_proj = nn.Linear(in_features, self.kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(in_features, self.kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.heads * hd, cfg.hidden_size, bias=False)
 
 
@@ -130,18 +94,25 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class MidLayer(nn.Module):
-    def __init__(self, cfg: Eagle3Config) -> None:
+class DecoderLayer(nn.Module):
+    """The first layer (``first``) attends over [embedding ; hidden] (2H) and has a ``hidden_norm``;
+    later ones are plain pre-norm Llama layers over H."""
+
+    def __init__(self, cfg: Eagle3Config, first: bool = True) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if first:
+            self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, (2 if first else 1) * cfg.hidden_size)
         self.mlp = MLP(cfg)
 
 
+MidLayer = DecoderLayer  # the public name of the first layer's weights (``midlayer.*``)
+
+
 class KVBuffer:
-    """The head's own KV cache: [kv_heads, positions, head_dim], grown on demand, cropped after drafting."""
+    """One layer's KV cache: [kv_heads, positions, head_dim], grown on demand, cropped after drafting."""
 
     def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.k = torch.empty(kv_heads, 256, head_dim, dtype=dtype, device=device)
@@ -172,6 +143,21 @@ class KVBuffer:
             setattr(self, name, new)
 
 
+class HeadCache:
+    """The KV caches of every layer of a head; all hold the same positions."""
+
+    def __init__(self, layers: list[KVBuffer]) -> None:
+        self.layers = layers
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    def crop(self, length: int) -> None:
+        for kv in self.layers:
+            kv.crop(length)
+
+
 class Eagle3Head(nn.Module):
     def __init__(self, cfg: Eagle3Config, target_embedding: nn.Embedding | None = None) -> None:
         super().__init__()
@@ -179,20 +165,27 @@ class Eagle3Head(nn.Module):
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
         self.cfg = cfg
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
-        self.midlayer = MidLayer(cfg)
+        features = cfg.num_aux * cfg.target_hidden_size
+        self.fc = nn.Linear(features, cfg.hidden_size, bias=cfg.fc_bias) if cfg.use_aux_hidden_state else None
+        self.input_norm = RMSNorm(features, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc_norm = (nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux))
+                        if cfg.fc_norm else None)
+        self.midlayer = DecoderLayer(cfg, first=True)
+        # further layers keep their public index: layers.1, layers.2, ...
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, first=False) for i in range(1, cfg.num_hidden_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.lm_head: nn.Linear | None = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
         self.embed_tokens: nn.Embedding | None = None  # own embedding, when the checkpoint has one
         object.__setattr__(self, "_target_embedding", target_embedding)  # shared, not owned
+        object.__setattr__(self, "_target_lm_weight", None)  # the target's lm_head rows, when lm_head is None
         rope_cfg = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
                                head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
                                rope_parameters=dict(cfg.rope_parameters))
         self.rotary = LlamaRotaryEmbedding(rope_cfg)
 
-    # ------------------------------------------------------------------ pieces
+    # ------------------------------------------------------------------ the target's shared tensors
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         table = self.embed_tokens if self.embed_tokens is not None else self._target_embedding
@@ -206,16 +199,54 @@ class Eagle3Head(nn.Module):
                              f"hidden_size {self.cfg.hidden_size}, and the head has no embed_tokens of its own")
         object.__setattr__(self, "_target_embedding", embedding)
 
+    def set_target_lm_head(self, lm_head: nn.Module) -> None:
+        """Use the target's output rows of the draft vocabulary (a head saved without ``lm_head``).
+
+        Draft token i is target token i + d2t[i] (all of them for a full-vocabulary head, which then
+        shares the target's weight); the rows are cast to the head's dtype once, here."""
+        weight = getattr(lm_head, "weight", None)
+        if weight is None or weight.dim() != 2 or weight.shape[1] != self.cfg.hidden_size:
+            shape = None if weight is None else tuple(weight.shape)
+            raise ModelError(f"the EAGLE-3 head has no lm_head and the target's output head (weight {shape}) does not "
+                             f"map its hidden_size {self.cfg.hidden_size} to the vocabulary")
+        dtype = self.midlayer.self_attn.q_proj.weight.dtype
+        if self.cfg.draft_vocab_size == weight.shape[0] and not bool(self.d2t.any()):
+            rows = weight.detach()
+        else:
+            ids = torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+            rows = weight.detach()[ids.to(weight.device)]
+        object.__setattr__(self, "_target_lm_weight", rows.to(dtype))
+
+    # ------------------------------------------------------------------ pieces
+
     def project(self, features: torch.Tensor) -> torch.Tensor:
-        """Fused target features [T, 3 * target_hidden] -> head hidden [T, hidden]."""
+        """Fused target features [T, num_aux * target_hidden] -> head hidden [T, hidden]."""
+        if self.fc is None:  # use_aux_hidden_state: false, the target's last hidden state as it is
+            return features
+        if self.input_norm is not None:
+            features = self.input_norm(features)
+        if self.fc_norm is not None:
+            chunks = features.chunk(len(self.fc_norm), dim=-1)
+            features = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(features)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of head outputs."""
-        return self.lm_head(self.norm(hidden))
+        if self.cfg.norm_output and not self.cfg.feed_normed:  # fed-back outputs are normed already
+            hidden = self.norm(hidden)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        if self._target_lm_weight is None:
+            raise ModelError("the EAGLE-3 head has no lm_head and no target output head was given")
+        return F.linear(hidden, self._target_lm_weight)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
+
+    def new_cache(self, dtype: torch.dtype, device: torch.device) -> HeadCache:
+        """Empty KV caches, one per layer."""
+        return HeadCache([KVBuffer(self.cfg.num_key_value_heads, self.cfg.head_dim, dtype, device)
+                          for _ in range(self.cfg.num_hidden_layers)])
 
     # ------------------------------------------------------------------ one step
 
@@ -224,17 +255,34 @@ class Eagle3Head(nn.Module):
         hidden: torch.Tensor,  # [T, hidden]: projected target features or the head's own outputs
         tokens: torch.Tensor,  # [T] target token ids
         positions: torch.Tensor,  # [T]
-        kv: KVBuffer | None = None,
+        kv: KVBuffer | HeadCache | None = None,  # a KVBuffer only for a one-layer head
         mask: torch.Tensor | None = None,  # bool [T, kv.length + T] (True = attend); None: causal
     ) -> torch.Tensor:
-        layer, attn = self.midlayer, self.midlayer.self_attn
-        t = hidden.shape[0]
-        x = torch.cat([layer.input_layernorm(self.embed(tokens)), layer.hidden_norm(hidden)], dim=-1)
+        caches = kv.layers if isinstance(kv, HeadCache) else [kv] * self.cfg.num_hidden_layers
+        if len(caches) != self.cfg.num_hidden_layers or (self.cfg.num_hidden_layers > 1 and isinstance(kv, KVBuffer)):
+            raise ValueError(f"a head with {self.cfg.num_hidden_layers} layers needs one KV cache per layer "
+                             "(Eagle3Head.new_cache)")
+        layer = self.midlayer
+        normed = layer.hidden_norm(hidden)
+        residual = normed if self.cfg.norm_before_residual else hidden
+        x = torch.cat([layer.input_layernorm(self.embed(tokens).to(hidden.dtype)), normed], dim=-1)
+        cos, sin = self.rotary(x[None], positions[None])
+        h = residual + self._attend(layer, x, cos[0], sin[0], caches[0], mask)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        for layer, cache in zip(self.layers.values(), caches[1:]):
+            h = h + self._attend(layer, layer.input_layernorm(h), cos[0], sin[0], cache, mask)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h) if self.cfg.feed_normed else h
+
+    @staticmethod
+    def _attend(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv: KVBuffer | None, mask: torch.Tensor | None) -> torch.Tensor:
+        """Self-attention of one layer (its output projection included) over its cache and ``x``."""
+        attn, t = layer.self_attn, x.shape[0]
         q = attn.q_proj(x).view(t, attn.heads, attn.head_dim).transpose(0, 1)
         k = attn.k_proj(x).view(t, attn.kv_heads, attn.head_dim).transpose(0, 1)
         v = attn.v_proj(x).view(t, attn.kv_heads, attn.head_dim).transpose(0, 1)
-        cos, sin = self.rotary(x[None], positions[None])
-        q, k = _rope(q, cos[0], sin[0]), _rope(k, cos[0], sin[0])
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         if kv is not None:
             kv.append(k, v)
             k, v = kv.k[:, : kv.length], kv.v[:, : kv.length]
@@ -243,8 +291,7 @@ class Eagle3Head(nn.Module):
             mask = torch.ones(t, k.shape[1], dtype=torch.bool, device=x.device).tril(past)
         rep = attn.heads // attn.kv_heads
         out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0), attn_mask=mask)
-        h = hidden + attn.o_proj(out.transpose(0, 1).reshape(t, -1))
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        return attn.o_proj(out.transpose(0, 1).reshape(t, -1))
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
