@@ -160,3 +160,49 @@ def test_gpt_oss_tree_verification_matches_hf_generate(cache):
     out = scripted.generate(PROMPT, max_new_tokens=24)
     assert out.token_ids == ref[len(PROMPT):]
     assert out.stats["spec_decode_acceptance_length"] > 1.5  # paths were accepted, so compaction ran
+
+
+# ---------------------------------------------------------------------------------------- checkpoints
+
+
+def test_qwen3_next_checkpoint_streams_and_decodes_like_hf(tmp_path):
+    from specfit.config import ModelConfig
+    from specfit.core.loading import load_target
+
+    model("tiny-qwen3-next").save_pretrained(tmp_path)
+    loaded = load_target(ModelConfig(path=str(tmp_path), device="cpu"))
+    engine = Engine(loaded.model, cache=LRUCache(capacity=3), device="cpu", expert_store=loaded.expert_store)
+    assert engine.generate(PROMPT, max_new_tokens=24).token_ids == reference("tiny-qwen3-next")[len(PROMPT):]
+
+
+def test_gpt_oss_bf16_checkpoint_runs_speculation_identical_to_ar(tmp_path):
+    """From bf16 weights (numerics=exact: experts stay bf16, the rest computes in float32): AR equals
+    HF generate of the same weights in float32, and tree verification equals AR."""
+    from specfit.config import ModelConfig
+    from specfit.core.loading import load_target
+
+    model("tiny-gpt-oss").to(torch.bfloat16).save_pretrained(tmp_path)
+    fp32 = model("tiny-gpt-oss").to(torch.bfloat16).to(torch.float32)
+    with torch.no_grad():
+        expected = fp32.generate(torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    expected = expected[0, len(PROMPT):].tolist()
+    cfg = ModelConfig(path=str(tmp_path), device="cpu", attn_implementation="eager")
+    outputs = {}
+    for name, drafter in (("ar", None), ("eagle3", Eagle3Drafter(top_k=3, depth=3, total_tokens=8)),
+                          ("scripted", ScriptedDrafter(PROMPT + expected, vocab=256, branching=3, depth=3, seed=3))):
+        loaded = load_target(cfg)
+        assert loaded.expert_store.layers[0].dtype == torch.bfloat16
+        engine = Engine(loaded.model, cache=LRUCache(capacity=3), device="cpu", expert_store=loaded.expert_store,
+                        drafter=drafter)
+        outputs[name] = engine.generate(PROMPT, max_new_tokens=16).token_ids
+    assert outputs == {"ar": expected, "eagle3": expected, "scripted": expected}
+
+
+def test_gpt_oss_checkpoint_with_sdpa_is_refused_naming_the_key(tmp_path):
+    from specfit.config import ModelConfig
+    from specfit.core.loading import load_target
+
+    model("tiny-gpt-oss").save_pretrained(tmp_path)
+    with pytest.raises(ModelError, match=r"^model.attn_implementation=sdpa: GptOssForCausalLM \(model_type 'gpt_oss'\) "
+                                         r"does not support sdpa attention in transformers; set model.attn_implementation=eager$"):
+        load_target(ModelConfig(path=str(tmp_path), device="cpu"))
