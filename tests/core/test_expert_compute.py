@@ -297,3 +297,18 @@ def test_engine_reports_its_expert_compute(make_model):
     engine = Engine(make_model(), device="cpu", expert_compute="loop")
     assert engine.info["expert_compute"] == "loop"
     assert Engine(make_model(), device="cpu").info["expert_compute"] == "grouped"
+
+
+@pytest.mark.parametrize("arch", ["tiny-qwen3-moe", "tiny-olmoe", "tiny-mixtral"])
+@pytest.mark.parametrize("compute", ["loop", "grouped"])
+def test_greedy_equals_transformers_with_each_compute(arch, compute):
+    """fp32 greedy identity with HF generate holds for the reference loop and the grouped compute alike
+    (tests/core/test_autoregressive.py covers every cache with the default, auto)."""
+    from conftest import tiny_model
+
+    prompt = [5, 17, 99, 3, 42, 8, 120, 77]
+    with torch.no_grad():
+        reference = tiny_model(arch).generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                              min_new_tokens=12)[0, len(prompt):].tolist()
+    engine = Engine(tiny_model(arch), cache=LRUCache(capacity=3), device="cpu", expert_compute=compute)
+    assert engine.generate(prompt, max_new_tokens=12).token_ids == reference
