@@ -52,6 +52,9 @@ def stats_line(stats: dict[str, Any]) -> str:
         f"misses={stats['expert_cache_misses']}",
         f"h2d={stats['h2d_bytes'] / 1e6:.1f}MB/{stats['h2d_seconds']:.3f}s",
     ]
+    if "expert_host_bytes" in stats:  # where the weights live (Engine.info)
+        parts.append(f"memory=experts host {stats['expert_host_bytes'] / 1e6:.1f}MB + device "
+                     f"{stats['expert_device_bytes'] / 1e6:.1f}MB, dense {stats['dense_device_bytes'] / 1e6:.1f}MB")
     if stats.get("h2d_emulated"):
         link = stats.get("copy_engine", {})
         parts.append(f"[H2D EMULATED: {link.get('bandwidth_gbps', '?')} GB/s, "
