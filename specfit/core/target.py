@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
+from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer,
+                                      get_layer_types_and_kwargs)
 
 from specfit.core.offload import OffloadRuntime
 from specfit.core.tree import VerifyBlock
@@ -123,8 +124,11 @@ class Target:
         key_pos = torch.cat([torch.arange(prefix), prefix + depths])
         query_pos = prefix + depths
         in_window = (query_pos[:, None] - key_pos[None, :]) < self.sliding_window
+        layer_types = getattr(self.model.config, "layer_types", None)
+        if not layer_types:  # one kind of layer (Mixtral with a window): one mask
+            return self._mask_tensor(allowed & in_window)
         masks = {"full_attention": self._mask_tensor(allowed), "sliding_attention": self._mask_tensor(allowed & in_window)}
-        return {kind: masks[kind] for kind in set(self.model.config.layer_types)}
+        return {kind: masks[kind] for kind in set(layer_types)}
 
     def _mask_tensor(self, allowed: torch.Tensor) -> torch.Tensor:
         allowed = allowed[None, None].to(self.device)
@@ -208,15 +212,16 @@ class Target:
 def cache_layer_kinds(model: nn.Module) -> tuple[str, ...]:
     """Per decoder layer, the cache transformers gives it: "full" (keys and values by position),
     "sliding" (a window of them) or "linear" (a recurrent state). Anything else is refused."""
+    layer_types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
     kinds = []
-    for layer in DynamicCache(config=model.config).layers:
+    for layer_type, layer in zip(layer_types, DynamicCache(config=model.config).layers):
         if type(layer) is DynamicLayer:
             kinds.append("full")
-        elif type(layer) is DynamicSlidingWindowLayer:
+        elif type(layer) is DynamicSlidingWindowLayer and layer_type == "sliding_attention":
             kinds.append("sliding")
         elif type(layer) is LinearAttentionLayer:
             kinds.append("linear")
         else:
-            raise ModelError(f"{type(model).__name__} uses {type(layer).__name__} cache layers, which specfit does not "
-                             "support (full, sliding-window and linear-attention layers are)")
+            raise ModelError(f"{type(model).__name__} has {layer_type} layers ({type(layer).__name__} caches), which "
+                             "specfit does not support (full, sliding-window and linear-attention layers are)")
     return tuple(kinds)

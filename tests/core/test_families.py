@@ -132,6 +132,20 @@ def test_gpt_oss_cache_is_full_by_position_and_tree_mask_applies_the_window():
         assert not torch.allclose(wrong.logits[5], _full_logits(m, PROMPT[:-1] + paths[-1]), atol=1e-2)
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_sliding_window_on_every_layer_verifies_trees_exactly(attn):
+    """A model without layer_types whose every layer slides (Mixtral with a window): one windowed tree mask."""
+    tiny = tiny_model("tiny-mixtral", attn_implementation=attn, sliding_window=6)
+    with torch.no_grad():
+        ref = tiny.generate(torch.tensor([PROMPT]), max_new_tokens=24, min_new_tokens=24, do_sample=False)[0].tolist()
+    engine = Engine(tiny_model("tiny-mixtral", attn_implementation=attn, sliding_window=6), cache=LRUCache(capacity=3),
+                    device="cpu", drafter=ScriptedDrafter(ref, vocab=256, branching=3, depth=3))
+    assert engine.target.layer_kinds == ("sliding",) * 4
+    out = engine.generate(PROMPT, max_new_tokens=24)
+    assert out.token_ids == ref[len(PROMPT):]
+    assert out.stats["spec_decode_acceptance_length"] > 1.5
+
+
 def test_gpt_oss_builtin_needs_eager_attention():
     with pytest.raises(ModelError, match="model.attn_implementation=sdpa: model.builtin=tiny-gpt-oss supports eager"):
         tiny_model("tiny-gpt-oss")
