@@ -119,15 +119,19 @@ class OffloadRuntime:
         spec = moe_spec(model, experts)
         self.device = torch.device(device)
         self.compute: ExpertCompute = make_expert_compute(compute, self.device)
-        if store is None:
-            store = HostExpertStore.from_modules(experts, spec, pin=self.device.type == "cuda")
-        else:
+        if store is not None:
             spec = _store_spec(spec, store)
         self.spec = spec
-        self.store = store
         self.policy = policy
         self.copy_engine = copy_engine
         self.slots_per_layer = bind_cache(policy, spec)
+        preload = cache_preload(policy, spec, self.slots_per_layer)
+        # every expert of every layer preloaded (cache=full): the slots will hold the only copy
+        self.preloads_all = self.slots_per_layer == spec.num_experts and all(
+            len(preload.get(layer, ())) == spec.num_experts for layer in range(spec.num_layers))
+        if store is None:  # pinned for fast copies, unless it is only read once by the preload
+            store = HostExpertStore.from_modules(experts, spec, pin=self.device.type == "cuda" and not self.preloads_all)
+        self.store = store
         for layer, (name, module) in enumerate(experts):
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
@@ -138,7 +142,7 @@ class OffloadRuntime:
         self._routing: list[torch.Tensor | None] = [None] * spec.num_layers
         self.slots: list[torch.Tensor] = []
         self._views: list[SlotViews] = []
-        self._preload()
+        self._preload(preload)
         model.register_forward_pre_hook(lambda *_: self.begin_pass())
 
     @property
@@ -211,7 +215,7 @@ class OffloadRuntime:
         self.stats.h2d_seconds += record.seconds
         self.stats.copy_calls += 1
 
-    def _preload(self) -> None:
+    def _preload(self, preload: dict[int, list[tuple[int, int]]]) -> None:
         """Allocate the slots and copy the policy's preload, layer by layer.
 
         When every expert of every layer is preloaded, the host copy of each layer is released once
@@ -219,13 +223,11 @@ class OffloadRuntime:
         tensor (no copy at all).
         """
         spec = self.spec
-        preload = cache_preload(self.policy, spec, self.slots_per_layer)
-        full = self.slots_per_layer == spec.num_experts and all(
-            len(preload.get(layer, ())) == spec.num_experts for layer in range(spec.num_layers))
         for layer in range(spec.num_layers):
             loads = preload.get(layer, [])
             host = self.store.layers[layer]
-            if full and self.device.type == "cpu" and all(e == s for e, s in loads) and host.device == self.device:
+            if (self.preloads_all and self.device.type == "cpu" and host.device == self.device
+                    and all(e == s for e, s in loads)):
                 slots = host  # the store's tensor becomes the slot pool
             else:
                 slots = torch.empty(self.slots_per_layer, spec.expert_numel, dtype=spec.dtype, device=self.device)
@@ -236,8 +238,11 @@ class OffloadRuntime:
             self.stats.preload_bytes += len(loads) * spec.expert_bytes
             for e, slot in loads:
                 self.slot_expert[layer, slot] = e
-            if full:
+            if self.preloads_all:
                 self.store.release(layer)
+        if self.preloads_all and self.store.pinned and hasattr(torch._C, "_host_emptyCache"):
+            torch.cuda.synchronize(self.device)  # the copies have read the pinned rows: return them to the system
+            torch._C._host_emptyCache()
 
 
 def _store_spec(model_spec: MoESpec, store: HostExpertStore) -> MoESpec:
