@@ -1,0 +1,109 @@
+"""Smoke tests of the issue-13 benchmarks (specfit.bench.real_dims, specfit.bench.numerics) and the
+GPU script, at tiny settings, so that they cannot rot between the runs that measure with them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from specfit.bench import numerics, real_dims
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_DIMS = ["--hidden", "64", "--experts", "8", "--intermediate", "32", "--top-k", "2", "--heads", "4",
+             "--kv-heads", "2", "--head-dim", "16", "--layers", "2", "--vocab", "128"]
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_real_dims_counts_ops_and_times_a_pass_against_transformers(tmp_path, capsys):
+    out = tmp_path / "rows.jsonl"
+    args = ["--out", str(out), "--workdir", str(tmp_path / "work"), "--measures", "ops,time", "--tokens", "6",
+            "--repeats", "1", *TINY_DIMS]
+    assert real_dims.main(args) == 0
+    rows = _rows(out)
+    ops = {r["method"]: r for r in rows if r["measure"] == "ops"}
+    reference = ops.pop(real_dims.REFERENCE)
+    assert reference["ratio"] == 1.0 and reference["value"] > 0
+    assert ops and all(m.startswith("specfit/cache=full") for m in ops)
+    for r in ops.values():
+        assert r["ratio"] == pytest.approx(r["value"] / reference["value"])
+        assert r["met"] == (r["ratio"] <= real_dims.BAR_OPS)
+    times = [r for r in rows if r["measure"] == "time"]
+    assert len(times) == len(ops) + 1 and all(len(r["extra"]["ms"]) == 1 and r["value"] > 0 for r in times)
+    assert {r["dims"]["vocab"] for r in rows} == {128} and rows[0]["checkpoint_bytes"] > 0
+    assert "transformers/grouped_mm" in capsys.readouterr().out
+
+    # the checkpoint is built once per dims and seed, then reused
+    [ckpt] = (tmp_path / "work").iterdir()
+    weights = sorted(ckpt.glob("*.safetensors"))
+    assert weights and real_dims.checkpoint_bytes(ckpt) == rows[0]["checkpoint_bytes"]
+    stamp = weights[0].stat().st_mtime_ns
+    assert real_dims.checkpoint(real_dims.Dims(64, 8, 32, 2, 4, 2, 16, 2, 128), tmp_path / "work") == ckpt
+    assert weights[0].stat().st_mtime_ns == stamp
+
+
+def test_real_dims_variants_cover_every_setting():
+    assert real_dims.specfit_variants({}) == [{}]
+    variants = real_dims.specfit_variants({"expert_compute": ["loop", "grouped"], "numerics": ["native", "exact"]})
+    assert len(variants) == 4 and {"expert_compute": "grouped", "numerics": "exact"} in variants
+    assert real_dims.method_name("lru", {"expert_compute": "loop"}) == "specfit/cache=lru/compute=loop"
+
+
+def test_real_dims_refuses_an_unknown_measure(tmp_path):
+    with pytest.raises(SystemExit, match="unknown"):
+        real_dims.main(["--measures", "ops,speed", "--workdir", str(tmp_path), *TINY_DIMS])
+
+
+@pytest.mark.slow
+def test_real_dims_memory_rows(tmp_path):
+    """Peak memory: fresh subprocesses (each imports torch and transformers: tens of seconds)."""
+    out = tmp_path / "rows.jsonl"
+    assert real_dims.main(["--out", str(out), "--workdir", str(tmp_path), "--measures", "memory", *TINY_DIMS]) == 0
+    rows = _rows(out)
+    assert {r["method"] for r in rows} >= {"transformers/from_pretrained"}
+    assert any(r["method"].startswith("specfit/cache=lru") for r in rows)
+    assert all(r["measure"] == "memory" and r["extra"]["baseline_bytes"] > 0 for r in rows)
+
+
+def test_first_difference():
+    assert numerics.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert numerics.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert numerics.first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_numerics_compares_methods_with_ar_and_fp32(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECFIT_HOME", str(tmp_path / "home"))
+    out = tmp_path / "rows.jsonl"
+    assert numerics.main(["--out", str(out), "--models", "tiny-olmoe", "--prompts", "2", "--max-new-tokens", "4",
+                          "--tiny-prompt-len", "6", "--methods", "ar,eagle3,specfit"]) == 0
+    rows = _rows(out)
+    settings = numerics.numerics_settings()
+    reference = [r for r in rows if r["dtype"] == "float32"]
+    assert len(reference) == 1 and reference[0]["differ"] == 0 and reference[0]["tokens"] == 8
+    compared = [r for r in rows if r["dtype"] == "bfloat16"]
+    # per numerics: AR vs fp32, and each speculative method vs AR and vs fp32
+    assert len(compared) == 5 * len(settings) and {r["numerics"] for r in compared} == set(settings)
+    for r in compared:
+        assert r["prompts"] == 2 and len(r["first_diff"]) == 2 and r["tokens"] == 8
+        assert r["differ"] == sum(d is not None for d in r["first_diff"])
+    # fixed cost constants: SpecFit never calibrated
+    assert not [f for f in (tmp_path / "home").rglob("*.json") if not f.name.endswith(".selector.json")]
+
+
+def test_numerics_refuses_an_unknown_method():
+    with pytest.raises(SystemExit, match="unknown"):
+        numerics.main(["--methods", "ar,medusa"])
+
+
+def test_gpu_check_script_parses():
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("no bash")
+    done = subprocess.run([bash, "-n", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
