@@ -334,6 +334,32 @@ def test_speculators_layout_maps_its_fields(tmp_path):
     assert load_head(d).cfg.norm_before_residual
 
 
+def test_speculators_qwen3_layers_normalise_queries_and_keys(tmp_path):
+    src, head = tiny_head(tmp_path / "src")
+    d = _layer_type(write_speculators(src, tmp_path / "qwen3"), "qwen3")
+    gen = torch.Generator().manual_seed(3)
+    state = load_file(str(d / "model.safetensors"))
+    for name in ("q_norm", "k_norm"):
+        state[f"layers.0.self_attn.{name}.weight"] = 1 + 0.5 * torch.randn(head.cfg.head_dim, generator=gen)
+    save_file(state, str(d / "model.safetensors"))
+    loaded = load_head(d)
+    assert loaded.cfg.qk_norm
+    lossless(d)
+    llama = load_head(write_speculators(src, tmp_path / "llama"))
+    assert trace(tiny_model(), loaded)[0] != trace(tiny_model(), llama)[0]
+    # normed per head, queries and keys no longer depend on the scale of q_proj / k_proj
+    loaded.set_target_embedding(tiny_model().get_input_embeddings())
+    h, tokens, pos = torch.randn(3, head.cfg.hidden_size), torch.tensor([1, 2, 3]), torch.arange(3)
+    with torch.no_grad():
+        before = loaded(h, tokens, pos)
+        loaded.midlayer.self_attn.q_proj.weight.mul_(8.0)
+        loaded.midlayer.self_attn.k_proj.weight.mul_(0.25)
+        torch.testing.assert_close(loaded(h, tokens, pos), before, rtol=1e-4, atol=1e-5)
+    edit(d, drop=("layers.0.self_attn.k_norm.weight",))
+    with pytest.raises(ModelError, match=r"missing tensors midlayer.self_attn.k_norm.weight$"):
+        load_head(d)
+
+
 # --------------------------------------------------------------------------- refusals, one line each
 
 
@@ -341,10 +367,9 @@ def _spec(tmp: Path, **top: object) -> Path:
     return write_speculators(tiny_head(tmp / "src")[0], tmp / "spec", **top)
 
 
-def _qwen3_layer(tmp: Path) -> Path:
-    d = _spec(tmp)
+def _layer_type(d: Path, model_type: str) -> Path:
     raw = json.loads((d / "config.json").read_text())
-    raw["transformer_layer_config"]["model_type"] = "qwen3"
+    raw["transformer_layer_config"]["model_type"] = model_type
     (d / "config.json").write_text(json.dumps(raw))
     return d
 
@@ -396,7 +421,8 @@ REFUSALS = {
     "no_lm_head_other_width": (_narrow_head_without_lm_head,
                                r"head has no lm_head and its hidden_size 32 differs from the target's 64"),
     "speculators_type": (lambda t: _spec(t, speculators_model_type="mtp"), r"config.json: speculators_model_type='mtp'"),
-    "speculators_layer_type": (_qwen3_layer, r"config.json: transformer_layer_config.model_type='qwen3'"),
+    "speculators_layer_type": (lambda t: _layer_type(_spec(t), "mistral"),
+                               r"config.json: transformer_layer_config.model_type='mistral'"),
     "shard_missing": (_shard_missing, r"index.json: names shard model-00002-of-00003.safetensors, which is not a file"),
     "shard_misplaced": (_shard_misplaced,
                         r"index.json: places tensors \S+ in model-00001-of-00003.safetensors, which does not hold them"),

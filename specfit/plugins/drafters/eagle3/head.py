@@ -50,6 +50,7 @@ class Eagle3Config:
     norm_before_residual: bool = False  # the first layer's residual is the normed hidden, not the raw one
     norm_output: bool = True  # SpecForge's flag: the final norm before lm_head (False: none)
     feed_normed: bool = False  # speculators' norm_output: the normed hidden is also what the next step reads
+    qk_norm: bool = False  # Qwen3 decoder layers (speculators' qwen3 layer config): RMSNorm on each head's q and k
 
     @property
     def num_aux(self) -> int:
@@ -81,6 +82,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_features, self.kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(in_features, self.kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.heads * hd, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
 
 class MLP(nn.Module):
@@ -282,6 +286,8 @@ class Eagle3Head(nn.Module):
         q = attn.q_proj(x).view(t, attn.heads, attn.head_dim).transpose(0, 1)
         k = attn.k_proj(x).view(t, attn.kv_heads, attn.head_dim).transpose(0, 1)
         v = attn.v_proj(x).view(t, attn.kv_heads, attn.head_dim).transpose(0, 1)
+        if hasattr(attn, "q_norm"):  # Qwen3 layers normalise each head's query and key before rotary
+            q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         if kv is not None:
             kv.append(k, v)

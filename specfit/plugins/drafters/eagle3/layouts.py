@@ -11,8 +11,9 @@ Two layouts are read:
   ``transformer_layer_config``, the EAGLE fields at the top level, mapped as vLLM's speculators
   adapter does (``norm_before_residual`` defaults to true there; ``eagle_aux_hidden_state_layer_ids``
   count HF hidden-state indices, as vLLM captures them; its ``norm_output`` means the normed hidden
-  is fed back to the next step, EAGLE-3.1), tensors ``layers.0.*`` for the first layer and the
-  trainer-only ``verifier_norm`` / ``verifier_lm_head`` left out.
+  is fed back to the next step, EAGLE-3.1; a ``qwen3`` layer config adds ``q_norm`` / ``k_norm``),
+  tensors ``layers.0.*`` for the first layer and the trainer-only ``verifier_norm`` /
+  ``verifier_lm_head`` left out.
 
 A value this head does not implement is refused in one line naming the field.
 """
@@ -117,9 +118,9 @@ def _from_speculators(raw: dict[str, Any], source: str) -> Eagle3Config:
     if not isinstance(layer, dict):
         raise ModelError(f"{source}: transformer_layer_config must be an object (the draft decoder layer's config)")
     model_type = layer.get("model_type", "llama")
-    if model_type != "llama":
+    if model_type not in ("llama", "qwen3"):
         raise ModelError(f"{source}: transformer_layer_config.model_type={model_type!r}; the EAGLE-3 head implements "
-                         "llama decoder layers only")
+                         "llama and qwen3 decoder layers only")
     norm_output = raw.get("norm_output", False)
     if not isinstance(norm_output, bool):
         raise ModelError(f"{source}: norm_output={norm_output!r} must be true or false")
@@ -132,6 +133,7 @@ def _from_speculators(raw: dict[str, Any], source: str) -> Eagle3Config:
     cfg = _from_hf(flat, source, where="transformer_layer_config.")
     cfg.aux_layer_offset = 0  # speculators / vLLM ids are HF hidden-state indices
     cfg.feed_normed = norm_output
+    cfg.qk_norm = model_type == "qwen3"  # Qwen3 layers: q_norm / k_norm
     return cfg
 
 
@@ -156,6 +158,9 @@ def config_to_hf(cfg: Eagle3Config) -> dict[str, Any]:
     if cfg.feed_normed:
         raise ModelError("a head whose speculators norm_output=true feeds normed outputs back has no HF-layout "
                          "config (SpecForge's norm_output means another thing); keep it in the speculators layout")
+    if cfg.qk_norm:
+        raise ModelError("a head of qwen3 decoder layers (q_norm / k_norm) has no HF-layout (LlamaForCausalLMEagle3) "
+                         "config; keep it in the speculators layout")
     aux = cfg.aux_layer_ids
     if aux and cfg.aux_layer_offset != 1:
         aux = [i + cfg.aux_layer_offset - 1 for i in aux]  # to SGLang's count of layer outputs
