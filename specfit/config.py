@@ -50,6 +50,10 @@ class ModelConfig:
     seed: int = 0  # weights of built-in models
     draft_head: str | None = None  # an EAGLE-3 head trained for this target: drafter=eagle3 uses it by default
     max_model_len: int | None = None  # context limit (prompt + output); null: the model's max_position_embeddings
+    # exact: a bf16/fp16 model keeps its experts in that dtype and computes everything else in float32
+    # (activations, norms, router, the expert sum): speculative output stays identical to AR's |
+    # native: everything in model.dtype. The same for float32 models.
+    numerics: str = "exact"
     # the routed experts' compute: auto (triton on CUDA when Triton imports, grouped otherwise) |
     # grouped (torch._grouped_mm over the slot pool) | loop (per expert: the reference) | triton
     expert_compute: str = "auto"
@@ -100,6 +104,9 @@ class ReplayConfig:
     draft_time: str = "measured"
     warmup: int = 8  # measured time only: cycles first replayed with throwaway plugins (one-time costs)
     oracle: bool = True  # also replay selector=oracle per cache and cost model, the reference of every method
+    # charge (and plan with) a named machine's constants instead of the trace's: time is then modelled
+    # (draft_time too); names in specfit.core.cost_profiles, e.g. qwen3-30b-a3b-h200-pcie5
+    cost_profile: str | None = None
 
 
 @dataclass
@@ -110,11 +117,11 @@ class SpecfitConfig:
     cost_model: CostModelConfig | None = None
     cache: CacheConfig = MISSING
     predictor: PredictorConfig | None = None
+    acceptance: AcceptanceConfig | None = None  # a_v for the cost-aware selectors; null: the selector's own (path_prob)
     workload: WorkloadConfig = MISSING
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prompt: str | None = None
     prompt_ids: list[int] | None = None
-    acceptance: AcceptanceConfig | None = None  # a_v for the cost-aware selectors; null: the selector's own (path_prob)
     prompt_file: str | None = None  # the prompt as UTF-8 text from a file ("-": standard input); no quoting needed
     max_new_tokens: int = 64
     stop_token_ids: list[int] = field(default_factory=list)
@@ -255,6 +262,7 @@ def _check_values(cfg: DictConfig) -> None:
     from omegaconf import OmegaConf
 
     from specfit.core.sampling import SamplingParams
+    from specfit.core.numerics import check_numerics
     from specfit.core.expert_compute import check_expert_compute
     from specfit.validation import integer, token_ids
 
@@ -272,6 +280,7 @@ def _check_values(cfg: DictConfig) -> None:
         if not path.is_file():
             raise ConfigError(f"prompt_file={cfg.prompt_file}: no such file")
     SamplingParams(**OmegaConf.to_container(cfg.sampling))
+    check_numerics(cfg.model.numerics)
     check_expert_compute(cfg.model.expert_compute)
     _check_workload(cfg.workload)
     _check_replay(cfg.replay)
@@ -313,3 +322,7 @@ def _check_replay(replay: DictConfig) -> None:
 
     choice("replay.draft_time", replay.draft_time, ("measured", "modelled", "recorded"))  # recorded: measured
     integer("replay.warmup", replay.warmup, minimum=0)
+    if replay.cost_profile is not None:
+        from specfit.core.cost_profiles import cost_profile
+
+        cost_profile(replay.cost_profile)

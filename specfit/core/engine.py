@@ -21,6 +21,7 @@ from specfit.core import guard
 from specfit.core.copy_engines import CopyEngine, LinkSettings, make_copy_engine
 from specfit.core.cycle import Cycle, CycleObserver, CycleTimes, Verdict, check_parts
 from specfit.core.expert_store import HostExpertStore
+from specfit.core.numerics import apply_numerics, check_numerics, numerics_info
 from specfit.core.offload import OffloadRuntime
 from specfit.core.sampling import Sampler, SamplingParams
 from specfit.core.stats import CycleRecord, RunStats
@@ -76,8 +77,10 @@ class Engine:
         max_model_len: int | None = None,
         expert_store: HostExpertStore | None = None,
         expert_compute: str = "auto",
+        numerics: str = "exact",
     ) -> None:
         check_engine_args(model, max_new_tokens, sampling)
+        check_numerics(numerics)
         if drafter is None or selector is None or cache is None:
             from specfit.api import default_parts  # the one place that names the defaults
 
@@ -89,6 +92,7 @@ class Engine:
         self.copy_engine = copy if not isinstance(copy, str) else make_copy_engine(copy, self.device, link)
         self.runtime = OffloadRuntime(model, cache, self.copy_engine, self.device, store=expert_store,
                                       compute=expert_compute)
+        apply_numerics(model, numerics)  # the experts are the runtime's now: only dense weights are upcast
         model.to(self.device).eval()
         self.model = model
         self.spec = self.runtime.spec
@@ -125,6 +129,7 @@ class Engine:
             "copy_engine": self.copy_engine.describe(),
             "h2d_emulated": bool(self.copy_engine.emulated),
             "expert_compute": self.runtime.compute.name,
+            **numerics_info(numerics, self.spec, model),
             **memory_info(self.runtime, model),
             **(info or {}),
         }

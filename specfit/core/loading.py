@@ -1,7 +1,12 @@
 """Loading the target: a local Hugging Face checkpoint, or a small model built in code.
 
-Weights load on the host in the checkpoint's own dtype unless ``model.dtype`` says otherwise; the
-engine then moves everything but the experts to the device.
+A checkpoint directory of safetensors files is streamed (:mod:`specfit.core.streaming`): the model
+is built on the meta device, dense weights go straight to the device, the experts into a
+:class:`~specfit.core.expert_store.HostExpertStore`, their only host copy, which the engine's
+runtime takes over. Weights keep the checkpoint's dtype unless ``model.dtype`` says otherwise;
+``model.numerics=exact`` upcasts the dense ones of a half-precision model to float32
+(:mod:`specfit.core.numerics`). Other checkpoints (``.bin`` files, hub ids) and callers that want
+the whole module (:func:`load_checkpoint`) go through transformers' ``from_pretrained``.
 """
 
 from __future__ import annotations
@@ -11,15 +16,19 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from specfit.config import ModelConfig
+from specfit.core.numerics import check_numerics, dense_dtype
 from specfit.errors import ModelError
 from specfit.files import read_json_object
 from specfit.validation import device_arg
+
+if TYPE_CHECKING:
+    from specfit.core.expert_store import HostExpertStore
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -29,6 +38,8 @@ class LoadedModel:
     model: nn.Module
     tokenizer: Any | None
     source: str
+    # a streamed checkpoint's experts (the model's experts modules then hold meta tensors); None: in the model
+    expert_store: HostExpertStore | None = None
 
 
 def resolve_dtype(name: str) -> torch.dtype | str:
@@ -50,6 +61,7 @@ def check_device(device: str) -> None:
 
 def load_target(cfg: ModelConfig) -> LoadedModel:
     check_device(cfg.device)
+    check_numerics(cfg.numerics)
     if cfg.attn_implementation not in ATTENTION:
         raise ModelError(f"model.attn_implementation={cfg.attn_implementation!r}: tree verification supports "
                          f"{' and '.join(ATTENTION)}")
@@ -64,21 +76,15 @@ def load_target(cfg: ModelConfig) -> LoadedModel:
         return LoadedModel(model, None, f"builtin:{cfg.builtin}")
     if not cfg.path:
         raise ModelError("no model: set model.path=DIR (a Hugging Face checkpoint) or model=<preset>")
-    return LoadedModel(
-        load_checkpoint(cfg.path, cfg.dtype, cfg.attn_implementation),
-        load_tokenizer(cfg.tokenizer, "model.tokenizer", required=True) if cfg.tokenizer else load_tokenizer(cfg.path),
-        cfg.path,
-    )
+    model, store = stream_checkpoint(cfg.path, cfg.dtype, cfg.attn_implementation, cfg.numerics, cfg.device)
+    tokenizer = load_tokenizer(cfg.tokenizer, "model.tokenizer", required=True) if cfg.tokenizer else load_tokenizer(cfg.path)
+    return LoadedModel(model, tokenizer, cfg.path, store)
 
 
-def load_checkpoint(path: str, dtype: str = "auto", attn_implementation: str = "sdpa") -> nn.Module:
-    """A local (or cached hub) checkpoint; every problem is one ModelError naming the file or tensor.
-
-    The cheap checks (config.json, the weight files' headers, the architecture on the meta device)
-    run before any weights are read, so a bad checkpoint fails in seconds whatever its size."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
+def check_checkpoint(path: str) -> Path | None:
+    """The cheap checks of ``model.path`` (config.json, the weight files' headers, the architecture on
+    the meta device), run before any weights are read so a bad checkpoint fails in seconds whatever
+    its size. Returns the local directory, or None for a hub id."""
     local = Path(path).expanduser()
     if local.exists():
         if not local.is_dir():
@@ -87,15 +93,48 @@ def load_checkpoint(path: str, dtype: str = "auto", attn_implementation: str = "
             raise ModelError(f"model.path={path}: no config.json there, so not a Hugging Face checkpoint")
         read_json(local / "config.json", f"model.path={path}")
         check_weight_files(local, f"model.path={path}")
-        path = str(local)
     elif path.startswith((".", "/", "~")) or path.count("/") != 1:
         raise ModelError(f"model.path={path}: no such directory")
-    check_architecture(path)
+    check_architecture(str(local) if local.exists() else path)
+    return local if local.exists() else None
+
+
+def stream_checkpoint(path: str, dtype: str = "auto", attn_implementation: str = "sdpa", numerics: str = "exact",
+                      device: str = "auto") -> tuple[nn.Module, HostExpertStore | None]:
+    """The model of checkpoint ``path`` with its experts in a host store (None: they stay in the model).
+
+    Safetensors files are read tensor by tensor: the model's parameters are built on the meta
+    device, dense weights land on ``device`` (``model.device``) in the model's dtype (float32 for a
+    half-precision model under ``numerics=exact``), the experts in a store pinned on CUDA. Every
+    problem is one ModelError naming the file or tensor. A checkpoint without safetensors files
+    (``.bin``) or a hub id loads through transformers (saying so for ``.bin``)."""
+    check_numerics(numerics)
+    local = check_checkpoint(path)
+    files = safetensors_files(local) if local is not None else []
+    if not files:
+        if local is not None:
+            print(f"specfit: model.path={path} has no safetensors files: loading it with transformers' from_pretrained "
+                  f"(the experts are copied once more into the host store)", file=sys.stderr, flush=True)
+        return _from_pretrained(path, dtype, attn_implementation, local), None
+    return _stream(str(local), files, dtype, attn_implementation, numerics, _load_device(device))
+
+
+def load_checkpoint(path: str, dtype: str = "auto", attn_implementation: str = "sdpa") -> nn.Module:
+    """A local (or cached hub) checkpoint as a whole module, experts included (transformers'
+    ``from_pretrained``), for callers that use the model itself; every problem is one ModelError
+    naming the file or tensor. :func:`load_target` streams instead (one copy of the weights)."""
+    local = check_checkpoint(path)
+    return _from_pretrained(str(local) if local is not None else path, dtype, attn_implementation, local)
+
+
+def _from_pretrained(path: str, dtype: str, attn_implementation: str, local: Path | None) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     # A checkpoint of a GiB or more (or one from the hub) takes a while: transformers' bar on a terminal,
     # one line before and after otherwise. Small ones load in a second: a bar per load would only
     # clutter comparisons (the demo loads one per method).
-    size = sum(f.stat().st_size for f in local.glob("*.safetensors")) if local.is_dir() else None
+    size = _weights_size(local) if local is not None else None
     slow = size is None or size >= 2**30
     bar = slow and sys.stderr.isatty()
     bar_was_on = hf_logging.is_progress_bar_enabled()
@@ -103,8 +142,7 @@ def load_checkpoint(path: str, dtype: str = "auto", attn_implementation: str = "
     if not bar:
         hf_logging.disable_progress_bar()
     if slow and not bar:
-        weights = f" ({size / 1e9:.1f} GB)" if size is not None else ""
-        print(f"specfit: loading the checkpoint model.path={path}{weights}", file=sys.stderr, flush=True)
+        _say_loading(path, size)
     start = time.perf_counter()
     hf_logging.set_verbosity_error()  # transformers' load report becomes our one-line error below
     try:
@@ -124,6 +162,134 @@ def load_checkpoint(path: str, dtype: str = "auto", attn_implementation: str = "
     return model.eval()
 
 
+def _stream(path: str, files: list[Path], dtype_name: str, attn_implementation: str, numerics: str,
+            device: torch.device) -> tuple[nn.Module, HostExpertStore]:
+    from specfit.core.expert_store import HostExpertStore
+    from specfit.core.moe import find_experts, moe_spec
+    from specfit.core.streaming import CheckpointPlan, SafetensorsReader, stream_into
+
+    what = f"model.path={path}"
+    size = sum(f.stat().st_size for f in files)
+    slow = size >= 2**30
+    if slow:
+        _say_loading(path, size)
+    start = time.perf_counter()
+    config = _config(path)
+    reader = SafetensorsReader(files, what)
+    dtype = _stream_dtype(dtype_name, config, reader)
+    model = _meta_model(path, config, dtype, attn_implementation)
+    experts = find_experts(model)
+    spec = moe_spec(model, experts)
+    plan = CheckpointPlan(model, experts, spec, dtype, what)
+    quantization = _quantization(config, what)
+    try:
+        if quantization is None:
+            names = reader.names()
+            targets = {name: plan.target(name, reader.entries[name].shape) for name in names}  # shapes: headers only
+            unexpected = [n for n, t in targets.items() if t is None and not plan.ignored(n)]
+            for t in targets.values():
+                if t is not None:
+                    plan.record(t)
+            _check_complete(what, _missing(model, plan), unexpected)  # before reading a byte of data
+            tensors = ((n, lambda n=n: reader.get(n), reader.entries[n].shape) for n in names if targets[n] is not None)
+        else:
+            from specfit.core.quantized import dequantized
+
+            pairs = dequantized(reader.names(), reader.get, config.to_dict(), dtype)
+            tensors = ((n, lambda t=t: t, tuple(t.shape)) for n, t in pairs)
+        store = HostExpertStore(spec, pin=device.type == "cuda")
+        plan.loaded_dense.clear()
+        plan.covered.clear()
+        unexpected = stream_into(model, store, plan, tensors, device, lambda d: dense_dtype(d, numerics))
+    finally:
+        reader.close()
+    missing = _missing(model, plan) or [_store_name(spec, m) for m in store.missing(limit=4)]
+    _check_complete(what, missing, unexpected)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights(missing_keys=set(plan.dense) - plan.loaded_dense, recompute_mapping=False)
+    left = [name for name, d in plan.dense.items() if _tensor(d).is_meta]
+    if left:
+        raise ModelError(f"{what}: the checkpoint lacks tensors the config needs: {_few(left)}")
+    if slow:
+        print(f"specfit: loaded model.path={path} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    return model.eval(), store
+
+
+def _load_device(device: str) -> torch.device:
+    """Where dense weights land: ``model.device`` (auto: CUDA when there is one), as the engine decides."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device_arg(device, key="model.device"))
+
+
+def _stream_dtype(name: str, config: Any, reader: Any) -> torch.dtype:
+    """``model.dtype``, or for auto the checkpoint's (config.json's ``dtype``, else its first floating tensor),
+    as transformers' ``dtype="auto"`` decides it."""
+    dtype = resolve_dtype(name)
+    if dtype != "auto":
+        return dtype
+    declared = getattr(config, "dtype", None)
+    if isinstance(declared, torch.dtype):
+        return declared
+    if isinstance(declared, str) and declared in DTYPES:
+        return DTYPES[declared]
+    for entry in reader.entries.values():
+        if entry.dtype.is_floating_point:
+            return entry.dtype
+    return torch.float32
+
+
+def _quantization(config: Any, what: str) -> str | None:
+    """The checkpoint's quantization method, dequantized at load (None: not quantized); any other
+    is a ModelError naming it."""
+    from specfit.core.quantized import quantization_of
+
+    return quantization_of(config.to_dict(), what)
+
+
+def _missing(model: nn.Module, plan: Any) -> list[str]:
+    """Dense tensors and expert parts the checkpoint does not cover; one of a tied pair is enough."""
+    absent = set(plan.dense) - plan.loaded_dense
+    for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        if (target in absent) != (source in absent):
+            absent.discard(target)
+            absent.discard(source)
+    return sorted(absent) + plan.missing_experts()
+
+
+def _check_complete(what: str, missing: list[str], unexpected: list[str]) -> None:
+    if missing:
+        raise ModelError(f"{what}: the checkpoint lacks tensors the config needs: {_few(missing)}")
+    if unexpected:
+        raise ModelError(f"{what}: the checkpoint has tensors the config does not use: {_few(sorted(unexpected))}")
+
+
+def _few(names: list[str]) -> str:
+    more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
+    return f"{', '.join(names[:3])}{more}"
+
+
+def _store_name(spec: Any, entry: str) -> str:
+    """The store's ``layer 3 expert 17 up`` under the experts module's name."""
+    words = entry.split()
+    if len(words) >= 2 and words[0] == "layer" and words[1].isdigit() and int(words[1]) < len(spec.module_names):
+        return " ".join([spec.module_names[int(words[1])], *words[2:]])
+    return entry
+
+
+def _tensor(d: Any) -> torch.Tensor:
+    return d.module._parameters[d.attr] if d.attr in d.module._parameters else d.module._buffers[d.attr]
+
+
+def _say_loading(path: str, size: int | None) -> None:
+    weights = f" ({size / 1e9:.1f} GB)" if size is not None else ""
+    print(f"specfit: loading the checkpoint model.path={path}{weights}", file=sys.stderr, flush=True)
+
+
+def _weights_size(local: Path) -> int:
+    return sum(f.stat().st_size for f in local.glob("*.safetensors"))
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
@@ -135,6 +301,15 @@ def read_json(file: Path, what: str) -> dict[str, Any]:
 
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def safetensors_files(local: Path) -> list[Path]:
+    """The checkpoint's safetensors files: the shards its index names, else every ``*.safetensors``."""
+    index = local / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = read_json(index, f"model.path={local}").get("weight_map") or {}
+        return [local / s for s in sorted(set(map(str, weight_map.values())))]
+    return sorted(local.glob("*.safetensors"))
 
 
 def check_weight_files(local: Path, what: str) -> None:
@@ -181,22 +356,45 @@ def check_safetensors(file: Path, what: str = "") -> None:
         raise ModelError(f"{prefix}{file.name} is truncated: {size} bytes, its header needs {8 + header_len + end}")
 
 
-def check_architecture(path: str) -> None:
-    """The config builds a causal LM with experts specfit can offload; built on the meta device (no memory)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from specfit.core.moe import SUPPORTED, find_experts
+def _config(path: str) -> Any:
+    from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001 - unknown model_type, bad values: transformers raises many types
         raise ModelError(f"model.path={path}: config.json is not a usable model config: {_first_line(exc)}") from exc
+
+
+def _meta_model(path: str, config: Any, dtype: torch.dtype | None = None, attn_implementation: str | None = None) -> nn.Module:
+    """The causal LM of ``config`` with its parameters on the meta device (no memory) and real buffers."""
+    from transformers import AutoModelForCausalLM
+
+    from specfit.core.streaming import parameters_on_meta
+
     kind = getattr(config, "model_type", "?")
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)  # gpt-oss: its sinks are eager-only
+    if attn_implementation == "sdpa" and model_class is not None and not getattr(model_class, "_supports_sdpa", True):
+        raise ModelError(f"model.attn_implementation=sdpa: {model_class.__name__} (model_type {kind!r}) does not support "
+                         "sdpa attention in transformers; set model.attn_implementation=eager")
+    kwargs: dict[str, Any] = {}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
     try:
-        with torch.device("meta"):  # the default attention: whether it supports ours is from_pretrained's to say
-            model = AutoModelForCausalLM.from_config(config)
+        with parameters_on_meta():
+            return AutoModelForCausalLM.from_config(config, **kwargs)
     except Exception as exc:  # noqa: BLE001
         raise ModelError(f"model.path={path}: model_type {kind!r} cannot be built as a causal LM: {_first_line(exc)}") from exc
+
+
+def check_architecture(path: str) -> None:
+    """The config builds a causal LM with experts specfit can offload; built on the meta device (no memory)."""
+    from specfit.core.moe import SUPPORTED, find_experts
+
+    config = _config(path)
+    kind = getattr(config, "model_type", "?")
+    model = _meta_model(path, config)  # the default attention: whether it supports ours is the load's to say
     try:
         experts = find_experts(model)
     except ModelError as exc:
