@@ -172,11 +172,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--calibrate", action="store_true",
                    help="SpecFit's cost model calibrated per setup (minutes each) instead of fixed constants")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     methods = ["ar"] + [m for m in args.methods.split(",") if m and m != "ar"]
     if set(methods) - set(METHODS):
         raise SystemExit(f"--methods: unknown {sorted(set(methods) - set(METHODS))}; choose from {', '.join(METHODS)}")

@@ -131,18 +131,29 @@ def checkpoint_bytes(path: Path) -> int:
 # ---------------------------------------------------------------------------------------- methods
 
 
-def specfit_settings() -> dict[str, list[str]]:
+def specfit_settings(device: torch.device, compute: str = "", numerics: str = "") -> dict[str, list[str]]:
     """The ``model.`` settings this checkout has that change the pass: expert compute and numerics.
 
-    Detected from :class:`specfit.config.ModelConfig`, so the harness runs before and after they exist."""
+    Detected from :class:`specfit.config.ModelConfig`, so the harness runs before and after they
+    exist. Expert compute: every implementation but ``auto`` (``triton`` on CUDA only: on a CPU it
+    runs only in Triton's interpreter). ``compute`` / ``numerics``: comma lists that keep a subset."""
     from specfit.config import ModelConfig
 
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     settings: dict[str, list[str]] = {}
     if "expert_compute" in fields:
-        settings["expert_compute"] = ["loop", "grouped"]
+        from specfit.core.expert_compute import IMPLEMENTATIONS
+
+        settings["expert_compute"] = [c for c in IMPLEMENTATIONS if c != "auto" and (c != "triton" or device.type == "cuda")]
     if "numerics" in fields:
         settings["numerics"] = ["native", "exact"]
+    for key, keep in (("expert_compute", compute), ("numerics", numerics)):
+        wanted = [v for v in keep.split(",") if v]
+        if wanted and key in settings:
+            unknown = set(wanted) - set(settings[key])
+            if unknown:
+                raise SystemExit(f"--{key.replace('expert_', '')}: {sorted(unknown)} not among {settings[key]}")
+            settings[key] = [v for v in settings[key] if v in wanted]
     return settings
 
 
@@ -254,7 +265,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=60, help="tokens in the pass")
     p.add_argument("--repeats", type=int, default=5, help="timed passes per method (median), after one warm-up")
     p.add_argument("--measures", default="ops,time,memory", help="any of ops,time,memory")
+    p.add_argument("--compute", default="", help="model.expert_compute values to run (default: every one there is)")
+    p.add_argument("--numerics", default="", help="model.numerics values to run (default: every one there is)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     for f in dataclasses.fields(Dims):
         p.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default)
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -265,6 +279,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.child:
         _child(args.child, Path(args.ckpt), args.device, args.dtype, json.loads(args.variant))
         return 0
@@ -277,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     ckpt = checkpoint(dims, Path(args.workdir), args.seed)
     size = checkpoint_bytes(ckpt)
-    settings = specfit_settings()
+    settings = specfit_settings(device, args.compute, args.numerics)
     variants = specfit_variants(settings)
     common = dict(dims=asdict(dims), device=str(device), tokens=args.tokens, checkpoint_bytes=size,
                   torch=torch.__version__, transformers=transformers.__version__, host=platform.node())
@@ -307,9 +323,13 @@ def _pass_rows(args: argparse.Namespace, ckpt: Path, device: torch.device, varia
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, args.vocab, (1, args.tokens), generator=gen).to(device)
     methods: dict[str, Callable[[], torch.Tensor]] = {REFERENCE: forward(build_transformers(ckpt, str(device), args.dtype), ids)}
+    loop_of: dict[str, str] = {}  # each method's reference implementation: the loop with the same numerics
     for variant in variants:
         engine = build_specfit(ckpt, "full", str(device), args.dtype, variant)
-        methods[method_name("full", variant)] = forward(engine.model, ids)
+        name = method_name("full", variant)
+        methods[name] = forward(engine.model, ids)
+        if "expert_compute" in variant:
+            loop_of[name] = method_name("full", {**variant, "expert_compute": "loop"})
     logits = {name: fn().float() for name, fn in methods.items()}  # the warm-up pass, and outputs to compare
     ops = {name: count_ops(fn) for name, fn in methods.items()} if "ops" in measures else {}
     ms: dict[str, list[float]] = {name: [] for name in methods}
@@ -317,12 +337,11 @@ def _pass_rows(args: argparse.Namespace, ckpt: Path, device: torch.device, varia
         for _ in range(args.repeats):
             for name, fn in methods.items():
                 ms[name].append(timed(fn, device))
-    first_loop = next((n for n in methods if "compute=loop" in n or n.startswith("specfit/") and "compute=" not in n), None)
     rows = []
     for name in methods:
         extra = {"argmax_agrees_with": {}, "identical_to": {}}
-        for other in (REFERENCE, first_loop):
-            if other and other != name:
+        for other in (REFERENCE, loop_of.get(name)):
+            if other in logits and other != name:
                 extra["argmax_agrees_with"][other] = float((logits[name].argmax(-1) == logits[other].argmax(-1)).float().mean())
                 extra["identical_to"][other] = bool(torch.equal(logits[name], logits[other]))
         if name in ops:
@@ -343,8 +362,8 @@ def _memory_rows(args: argparse.Namespace, ckpt: Path, variants: list[dict[str, 
     base = peak_rss("baseline", ckpt, "cpu", args.dtype, {})
     rows = []
     runs = [("transformers", {}, "transformers/from_pretrained")]
-    # the setting that changes memory is the cache (and numerics: exact keeps dense weights in fp32)
-    memory_variants = [v for v in variants if v.get("expert_compute", "grouped") == "grouped"] or [{}]
+    # the settings that change memory: the cache, and numerics (exact keeps dense weights in fp32)
+    memory_variants = list({v.get("numerics"): {k: x for k, x in v.items() if k == "numerics"} for v in variants}.values())
     for cache in ("full", "lru"):
         runs += [(f"specfit-{cache}", v, method_name(cache, v)) for v in memory_variants]
     for kind, variant, name in runs:
