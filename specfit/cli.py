@@ -34,6 +34,8 @@ commands:
   train-tokenizer / train-target / train-drafter
              train a BPE tokenizer, a Qwen3-MoE target, an EAGLE-3 head (for any supported MoE target)
   eval-target  held-out perplexity against a unigram baseline, and repetition in greedy output
+  fit-acceptance  fit the learned acceptance model on a trace, score every estimator on held-out ones:
+             specfit fit-acceptance trace.path=DIR held_out=[DIR2]
 
 Overrides use Hydra syntax; `specfit <command> --cfg job` shows every key. A mistake is one line
 (exit status 2); verbose=true adds the traceback. Docs: docs/user-guide.md
@@ -49,6 +51,7 @@ TRAIN_COMMANDS: dict[str, tuple[str, str, str]] = {
     "train-target": ("specfit.training.target", "TrainTargetConfig", "train_target"),
     "train-drafter": ("specfit.training.drafter", "TrainDrafterConfig", "train_drafter"),
     "eval-target": ("specfit.training.target", "EvalTargetConfig", "eval_target"),
+    "fit-acceptance": ("specfit.commands.fit_acceptance", "FitAcceptanceConfig", "fit_acceptance"),
 }
 
 _TRUE = ("true", "1", "yes", "on")

@@ -5,6 +5,11 @@ directories, searched recursively for results.jsonl. Rows are grouped by workloa
 config keys that differ between runs (a sweep's axes), and averaged like the bench table. Plots:
 throughput per method per workload; acceptance length against verified nodes per cycle; the
 cycle-time breakdown (drafting, selection, verification compute, H2D) per generated token.
+
+Rows that score an acceptance estimator (``specfit replay`` of a cost-aware selector,
+``specfit fit-acceptance``) add a table of Brier score and log loss per estimator and a reliability
+plot (mean forecast a_v against the observed acceptance frequency, per forecast bin). Plots need
+matplotlib (the ``plots`` extra); without it the report has the tables alone.
 """
 
 from __future__ import annotations
@@ -23,6 +28,15 @@ SWEEP_KEYS_IGNORED = {"prompt", "prompt_ids", "workload", "methods", "method_pre
 
 
 def read_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
+    """The decoding runs (rows with output_throughput) of the results at ``paths``."""
+    runs = [r for r in read_all_rows(paths) if "output_throughput" in r]
+    if not runs:
+        raise ConfigError("report: the results hold no decoding runs (rows with output_throughput)")
+    return runs
+
+
+def read_all_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
+    """Every row of the results at ``paths`` (files, or directories searched for results.jsonl)."""
     rows: list[dict[str, Any]] = []
     for path in map(Path, paths):
         files = sorted(path.rglob("results.jsonl")) if path.is_dir() else [path]
@@ -32,10 +46,30 @@ def read_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
             file_rows = read_jsonl(f, key="report")  # a torn last line (an interrupted run) is skipped
             _check_runs(f, file_rows)
             rows += file_rows
-    runs = [r for r in rows if "output_throughput" in r]
-    if not runs:
-        raise ConfigError("report: the results hold no decoding runs (rows with output_throughput)")
-    return runs
+    return rows
+
+
+def acceptance_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows that score an acceptance estimator, each with a ``label`` naming it and where it ran."""
+    out = []
+    for r in rows:
+        reliability = r.get("acceptance_reliability")
+        if not isinstance(reliability, list) or not all(isinstance(b, list) and len(b) == 3 for b in reliability):
+            continue
+        source = r.get("method") or r.get("command", "run")
+        estimator = r.get("acceptance_estimator", "?")
+        out.append({**r, "label": estimator if source == "fit-acceptance" else f"{source} ({estimator})"})
+    return out
+
+
+def acceptance_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Brier score and log loss per scored estimator (lower is better)."""
+    width = max(len("estimator"), *(len(r["label"]) for r in rows))
+    lines = [f"{'estimator':<{width}}  {'brier':>7}  {'log loss':>8}  {'nodes':>8}", "-" * (width + 29)]
+    for r in rows:
+        lines.append(f"{r['label']:<{width}}  {float(r.get('acceptance_brier', 0)):7.4f}  "
+                     f"{float(r.get('acceptance_log_loss', 0)):8.4f}  {int(r.get('acceptance_nodes', 0)):8d}")
+    return "\n".join(lines)
 
 
 #: Fields the report averages and sums: a run whose value is not a number would fail deep in the tables.
@@ -103,8 +137,13 @@ def group(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def write_report(paths: Sequence[str | Path], out_dir: str | Path) -> Path:
     out = check_writable(out_dir, "--out", directory=True)
-    rows = read_rows(paths)
-    summary = group(rows)
+    every = read_all_rows(paths)
+    rows = [r for r in every if "output_throughput" in r]
+    scored = acceptance_rows(every)
+    if not rows and not scored:
+        raise ConfigError("report: the results hold no decoding runs (rows with output_throughput) "
+                          "and no acceptance scores")
+    summary = group(rows) if rows else []
     out.mkdir(parents=True, exist_ok=True)
     lines = ["# specfit report", "", f"{len(rows)} runs from {', '.join(map(str, paths))}.", ""]
     emulated = any(r.get("h2d_emulated") for r in rows)
@@ -113,7 +152,12 @@ def write_report(paths: Sequence[str | Path], out_dir: str | Path) -> Path:
     for workload in sorted({s["workload"] for s in summary}):
         part = [s for s in summary if s["workload"] == workload]
         lines += [f"## Workload {workload}", "", "```", comparison_table(part, baseline=_baseline(part)), "```", ""]
-    plots = _plots(summary, out)
+    plots = _plots(summary, out) if summary else []
+    if scored:
+        lines += ["## Acceptance estimators", "",
+                  "Forecasts a_v of the cost-aware selectors' acceptance estimators against the outcomes "
+                  "each verification settled (lower is better).", "", "```", acceptance_table(scored), "```", ""]
+        plots += _reliability_plot(scored, out)
     lines += [f"![{name}]({name})" for name in plots]
     return write_atomic(out / "report.md", "\n".join(lines) + "\n")
 
@@ -170,6 +214,28 @@ def _plots(summary: Sequence[dict[str, Any]], out: Path) -> list[str]:
     ax.legend(fontsize=7)
     names.append(_save(fig, out, "breakdown.png"))
     return names
+
+
+def _reliability_plot(rows: Sequence[dict[str, Any]], out: Path) -> list[str]:
+    """Mean forecast against observed frequency per bin, one line per estimator; the diagonal is
+    a perfectly calibrated estimator."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=1, label="calibrated")
+    for r in rows:
+        bins = r["acceptance_reliability"]
+        ax.plot([b[0] for b in bins], [b[1] for b in bins], marker="o", markersize=3, label=r["label"])
+    ax.set_xlabel("forecast a_v (bin mean)")
+    ax.set_ylabel("observed acceptance frequency")
+    ax.set_title("Reliability of acceptance estimates")
+    ax.legend(fontsize=6)
+    return [_save(fig, out, "reliability.png")]
 
 
 def _save(fig: Any, out: Path, name: str) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from specfit.core.acceptance_estimators import attach_acceptance
+from specfit.core.cost_profiles import cost_profile
 from specfit.errors import ConfigError
 from specfit.registry import get_plugins
 from specfit.files import check_writable
@@ -36,6 +37,7 @@ COLUMNS = [
     ("pred tok/s", "predicted_tokens_per_second", "{:.1f}"),
     ("of oracle", "oracle_fraction", "{:.3f}"),
     ("recall", "predictor_recall", "{:.2f}"),
+    ("brier", "acceptance_brier", "{:.4f}"),  # the acceptance estimator's forecasts (cost-aware selectors)
 ]
 
 
@@ -81,6 +83,8 @@ def replay_config(trace: Trace, cfg: DictConfig, name: str, model: Any, draft_ti
 
             made["selector"] = NoDraftSelector()
         attach_acceptance(made["selector"], cfg.get("acceptance"))
+        if cfg.replay.get("cost_profile") is not None and made["cost_model"] is not None:  # charged and planned with
+            made["cost_model"].set_constants(cost_profile(cfg.replay.cost_profile).constants)
         return made
 
     if warmup > 0:
@@ -94,6 +98,9 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
     trace = load_trace(cfg.trace.path)
     check_writable(output_dir / cfg.results_file, "results_file")  # before the replays run
     draft_time = draft_time_mode(str(cfg.replay.draft_time))  # "recorded" is the earlier name of "measured"
+    profile = cfg.replay.get("cost_profile")
+    if profile is not None:  # another machine's constants: its drafting time is modelled too
+        draft_time = "modelled"
     warmup = int(cfg.replay.warmup) if draft_time == "measured" else 0
     given = cfg.model.path or cfg.model.builtin
     model = model_loader(trace, OmegaConf.to_object(cfg.model) if given else None)
@@ -123,6 +130,7 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
             summary["oracle_fraction"] = summary["predicted_tokens_per_second"] / best if best else 0.0
         table.append({**summary, "cache_desc": f"{r.result.cache}:{r.result.slots_per_layer}"})
         rows.append({"command": "replay", "trace": str(cfg.trace.path), **summary,
+                     "time": "modelled" if profile is not None else "charged", "cost_profile": profile,
                      "cost_constants": r.result.constants, "config": r.config})
 
     _print_header(trace, cfg)
@@ -131,6 +139,9 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
     print(f"\nreplayed {len(runs)} runs over {trace.positions} positions in {replaying:.2f}s "
           f"({len(runs) * trace.positions / replaying if replaying > 0 else 0:.0f} positions/s; {wall:.2f}s with "
           f"set-up and warm-up); draft time: {draft_time}")
+    if profile is not None:
+        print(f"time: modelled on cost profile {profile} ({cost_profile(profile).description}; "
+              f"specfit.core.cost_profiles), not measured")
     if any(r["divergences"] for r in rows):
         print("WARNING: some accepted paths disagree with the recorded output (tree-pass numerics); "
               "those cycles were cut at the disagreement (see 'divergences')")

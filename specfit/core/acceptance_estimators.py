@@ -37,11 +37,37 @@ def settled(tree: DraftTree, verified: Sequence[int], accepted: Sequence[int]) -
 
     Greedy: every node :func:`greedy_outcomes` settles; sampling: the verified nodes."""
     if tree.greedy_next is not None:
-        outcome = greedy_outcomes(tree, accepted)
+        outcome = greedy_settled(tree, accepted)
         nodes = np.flatnonzero(outcome >= 0)
         return nodes, outcome[nodes] == 1
     nodes = np.asarray(verified, dtype=int)
     return nodes, np.isin(nodes, np.asarray(accepted, dtype=int))
+
+
+def greedy_settled(tree: DraftTree, accepted: Sequence[int]) -> np.ndarray:
+    """:func:`specfit.core.tree.greedy_outcomes`, one level at a time in numpy (the selectors score
+    and learn after every cycle): 1 accepted, 0 rejected, -1 unknown."""
+    if tree.greedy_next is None:
+        return greedy_outcomes(tree, accepted)  # its error
+    n = len(tree)
+    tokens = np.asarray(tree.tokens, dtype=np.int64)
+    parents = np.asarray(tree.parents, dtype=np.int64)
+    path = np.asarray(list(accepted), dtype=np.int64)
+    on_path = np.zeros(n + 1, dtype=bool)  # index n stands for the root
+    on_path[path] = True
+    on_path[n] = True
+    after = np.full(n + 1, -1, dtype=np.int64)  # the target's argmax after each node of the path
+    after[n] = tokens[path[0]] if len(path) else tree.greedy_next
+    if len(path):
+        after[path] = np.r_[tokens[path[1:]], tree.greedy_next]
+    out = np.full(n + 1, -1, dtype=np.int8)
+    for d in range(1, tree.depth + 1):
+        level = tree.level(d)
+        p = np.where(parents[level.start:level.stop] == ROOT, n, parents[level.start:level.stop])
+        known = on_path[p]
+        out[level.start:level.stop] = np.where(known, tokens[level.start:level.stop] == after[p],
+                                               np.where(out[p] == 0, 0, -1))
+    return out[:n]
 
 
 def conditional(tree: DraftTree, verified: Sequence[int], accepted: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

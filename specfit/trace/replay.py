@@ -81,6 +81,8 @@ class ReplayResult:
     positions: int
     wall_seconds: float
     constants: dict[str, Any] = field(default_factory=dict)  # the CostConstants charged
+    # a cost-aware selector's acceptance estimator, scored on the settled nodes (Brier, log loss, reliability)
+    acceptance: dict[str, Any] = field(default_factory=dict)
 
     def committed(self, sequence: int = 0) -> list[int]:
         """Tokens committed per cycle of one sequence (the agreement test's exact comparison)."""
@@ -106,6 +108,7 @@ class ReplayResult:
             "divergences": sum(c.diverged for c in cycles),
             "replay_seconds": self.wall_seconds,
             "replay_positions_per_second": self.positions / self.wall_seconds if self.wall_seconds > 0 else 0.0,
+            **self.acceptance,
         }
 
 
@@ -219,6 +222,7 @@ def replay(trace: Trace, selector: Any, cache: Any, cost_model: Any, predictor: 
         positions=trace.positions,
         wall_seconds=time.perf_counter() - start,
         constants=verifier.constants.to_json(),
+        acceptance=_acceptance_score(selector),
     )
 
 
@@ -354,6 +358,12 @@ class TraceVerifier:
                 misses += len(admission.loads)
                 hits += len(admission.slots) - len(admission.loads)
         return misses, hits, union
+
+
+def _acceptance_score(selector: Any) -> dict[str, Any]:
+    """The selector's acceptance score (:class:`specfit.core.acceptance_estimators.AcceptanceScore`), if it keeps one."""
+    score = getattr(selector, "acceptance_score", None)
+    return score.as_dict() if score is not None and hasattr(score, "as_dict") and score.nodes else {}
 
 
 def _constants(cost_model: Any, trace: Trace) -> CostConstants:

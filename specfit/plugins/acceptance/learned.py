@@ -53,15 +53,17 @@ def _sigmoid(z: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * z))  # overflow-free
 
 
-def features(tree: DraftTree, recent: float) -> np.ndarray:
-    """float [len(tree), len(FEATURES)]: each node's features (see the module docstring)."""
-    n = len(tree)
+def features(tree: DraftTree, recent: float, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """float [stop - start, len(FEATURES)]: the features of nodes ``start:stop``, which must be
+    whole levels (siblings are ranked among themselves; see the module docstring)."""
+    stop = len(tree) if stop is None else stop
+    n = stop - start
     x = np.zeros((n, len(FEATURES)))
-    if not n:
+    if n <= 0:
         return x
-    log_q = np.asarray(tree.log_probs, dtype=np.float64)
-    parents = np.asarray(tree.parents, dtype=np.int64)
-    group = np.where(parents == ROOT, n, parents)  # siblings share a group
+    log_q = np.asarray(tree.log_probs[start:stop], dtype=np.float64)
+    parents = np.asarray(tree.parents[start:stop], dtype=np.int64)
+    group = np.where(parents == ROOT, -1, parents)  # siblings share a group
     order = np.lexsort((np.arange(n), -log_q, group))  # by parent, then q descending
     first = np.r_[0, np.flatnonzero(np.diff(group[order])) + 1]
     starts = np.repeat(first, np.diff(np.r_[first, n]))
@@ -74,7 +76,7 @@ def features(tree: DraftTree, recent: float) -> np.ndarray:
     x[:, 1] = _logit(np.exp(log_q))
     x[:, 2] = rank == 0
     x[:, 3] = np.log1p(rank)
-    x[:, 4] = np.log(np.asarray(tree.depths, dtype=np.float64))
+    x[:, 4] = np.log(np.asarray(tree.depths[start:stop], dtype=np.float64))
     x[:, 5] = np.where(parents == ROOT, 0.0, np.maximum(path[np.maximum(parents, 0)], -30.0) / 10.0)
     x[:, 6] = _logit(np.exp(best))
     x[:, 7] = float(_logit(recent))
@@ -122,6 +124,7 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
         self.precision = prior_strength * np.eye(len(FEATURES))
         self.recent = 0.5
         self.trees = 0  # trees learned from, this engine and earlier ones
+        self._cache: tuple[DraftTree, np.ndarray] | None = None  # (tree, a_v so far) within a cycle
 
     def bind(self, spec: Any) -> None:
         """Load ``state_file`` when it names a file (``auto``: the setup's state is given by
@@ -134,12 +137,23 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
         return _sigmoid(features(tree, self.recent) @ self.weights)
 
     def estimate(self, tree: DraftTree) -> np.ndarray:
-        a = self.conditional_estimate(tree)
-        parents = tree.parents
-        for d in range(2, tree.depth + 1):  # levels are contiguous, parents on the level above
-            level = tree.level(d)
-            a[level.start:level.stop] *= a[np.asarray(parents[level.start:level.stop])]
-        return a
+        """a_v = a_parent * P(v accepted | parent accepted). Within a cycle the model does not change
+        and earlier levels keep their values, so each call computes only the levels added since the
+        last call on the same tree."""
+        cached, a = self._cache if self._cache is not None else (None, np.zeros(0))
+        if cached is not tree or len(a) > len(tree):
+            a = np.zeros(0)
+        if len(a) < len(tree):
+            start = len(a)
+            new = _sigmoid(features(tree, self.recent, start) @ self.weights)
+            parents = np.asarray(tree.parents[start:], dtype=np.int64)
+            a = np.concatenate([a, new])
+            for d in range(tree.depths[start], tree.depth + 1):  # parents sit on the level above
+                level = tree.level(d)
+                p = parents[level.start - start:level.stop - start]
+                a[level.start:level.stop] *= np.where(p == ROOT, 1.0, a[np.maximum(p, 0)])
+        self._cache = (tree, a)
+        return a.copy()
 
     def observe(self, tree: DraftTree, verified: Sequence[int], accepted: Sequence[int]) -> None:
         nodes, hit = conditional(tree, verified, accepted)
@@ -153,6 +167,7 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
 
     def update(self, x: np.ndarray, y: np.ndarray) -> None:
         """One Bayesian step: the MAP weights under a Gaussian prior at the current ones."""
+        self._cache = None
         prior = self.forget * self.precision + (1 - self.forget) * self.prior_strength * np.eye(len(FEATURES))
         w0, w = self.weights, self.weights.copy()
         for _ in range(self.newton_steps):
@@ -164,6 +179,28 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
         self.weights = w
         self.precision = prior + (x * (p * (1 - p))[:, None]).T @ x
         self.trees += 1
+
+    def fit_trees(self, trees: Any) -> int:
+        """Offline: walk settled trees (:func:`specfit.core.acceptance_estimators.trace_trees`) in
+        order, collecting their conditional samples with the recent rate as it was at each, then
+        :meth:`fit` them all at once. Returns the number of samples."""
+        xs, ys = [], []
+        for item in trees:
+            nodes, hit = conditional(item.tree, item.verified, item.accepted)
+            if not len(nodes):
+                continue
+            x = features(item.tree, self.recent)[nodes]
+            xs.append(x)
+            ys.append(hit.astype(np.float64))
+            top = x[:, FEATURES.index("top_sibling")] == 1
+            if top.any():
+                self.recent = self.recent_decay * self.recent + (1 - self.recent_decay) * float(hit[top].mean())
+            self.trees += 1
+        if not xs:
+            return 0
+        x, y = np.concatenate(xs), np.concatenate(ys)
+        self.fit(x, y)
+        return len(y)
 
     def fit(self, x: np.ndarray, y: np.ndarray, steps: int = 25) -> None:
         """Offline: the MAP weights of all samples at once under the prior at w0 (Newton to convergence)."""
@@ -179,6 +216,7 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
                 break
         p = _sigmoid(x @ w)
         self.weights, self.precision = w, prior + (x * (p * (1 - p))[:, None]).T @ x
+        self._cache = None
 
     def state(self) -> dict[str, Any]:
         return {"features": list(FEATURES), "weights": self.weights.tolist(), "precision": self.precision.tolist(),
@@ -195,6 +233,7 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
         self.weights = np.asarray(state["weights"], dtype=np.float64)
         self.precision = np.asarray(state["precision"], dtype=np.float64)
         self.recent = float(state.get("recent", 0.5))
+        self._cache = None
         self.trees = int(state.get("trees", 0)) if isinstance(state.get("trees", 0), int) else 0
 
 
