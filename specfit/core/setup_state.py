@@ -12,7 +12,9 @@ each other::
     {"acceptance": {"learned": {...}, "calibrated": {...}},
      "gate": {"specfit/measured": {...}, "greedy/modelled": {...}}}
 
-The gate is keyed by selector and ``draft_time`` (its seconds are measured or modelled). Saving
+The gate is keyed by selector and ``draft_time``. Only selectors with ``draft_time=measured``
+(the default) keep state: with ``modelled`` every decision depends on the run's inputs alone, and
+a fresh engine must decide as any other would, so it starts from nothing. Saving
 merges into the file and writes it atomically (:func:`specfit.files.write_atomic`), at most every
 ``interval`` seconds of decoding and once more when the selector is dropped or the process ends;
 when the file is written never changes a decision. Trace replay never reads or writes it: a
@@ -105,10 +107,12 @@ def attach_setup_state(engine: Any) -> StateKeeper | None:
     """Start ``engine``'s selector from this setup's stored state and keep saving what it learns.
 
     Only selectors with a draft gate or an acceptance estimator (the cost-aware ones) have state;
-    others are left alone (None)."""
+    others are left alone (None). So is a selector with ``draft_time=modelled``: its decisions are
+    meant to depend on its inputs alone (the same run decides the same anywhere), which state
+    carried over from earlier runs would break; it starts fresh."""
     selector = engine.selector
     estimator = getattr(selector, "estimator", None)
-    if estimator is None or not hasattr(selector, "keeper"):
+    if estimator is None or not hasattr(selector, "keeper") or getattr(selector, "draft_time", None) != "measured":
         return None
     keeper = StateKeeper(state_path(engine), f"{selector.name}/{selector.draft_time}", selector.gate, estimator)
     if keeper.gate is None and not keeper.owns_estimator:

@@ -1,0 +1,319 @@
+"""Acceptance estimators: a plug-in kind (group, alias, registry), what they estimate and learn,
+that decoding stays exact with each, their scores, and the per-setup state of selectors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model
+from drafters import ScriptedDrafter
+from scipy.stats import chisquare
+
+from specfit import Engine
+from specfit.config import compose
+from specfit.core.acceptance import accept
+from specfit.core.acceptance_estimators import (
+    SettledTree, attach_acceptance, conditional, greedy_settled, score, settled,
+)
+from specfit.core.calibration import CostConstants
+from specfit.core.sampling import Sampler, SamplingParams
+from specfit.core.setup_state import attach_setup_state, state_path
+from specfit.core.tree import DraftTree, greedy_outcomes, verify_block
+from specfit.errors import ConfigError
+from specfit.plugins.acceptance.calibrated import CalibratedAcceptance
+from specfit.plugins.acceptance.learned import FEATURES, LearnedAcceptance
+from specfit.plugins.acceptance.path_prob import PathProbAcceptance
+from specfit.plugins.cost_models.union import UnionCostModel
+from specfit.plugins.predictors.history import HistoryPredictor
+from specfit.plugins.selectors.specfit import SpecFitSelector
+from specfit.registry import get_plugins
+
+ESTIMATORS = ["path_prob", "calibrated", "learned"]
+PROMPT = [5, 17, 99, 3, 42, 8, 120, 77]
+CONSTANTS = CostConstants(c0=2e-3, c_tok=1e-4, c_miss=4e-4, c_hit=2e-5, c_level=5e-4)
+SPECFIT = ["model=tiny", "selector=specfit", "cost_model=union", "predictor=history"]
+
+
+def random_tree(rng: np.random.Generator, vocab: int = 6, top_k: int = 3, depth: int = 4, beam: int = 3) -> DraftTree:
+    """An EAGLE-like tree: top_k children per expanded node, the best ``beam`` nodes of a level expanded."""
+    tree = DraftTree(root_token=0)
+    level = tree.add_level([-1] * top_k, rng.integers(0, vocab, top_k).tolist(),
+                           np.log(rng.dirichlet(np.ones(top_k + 1))[:top_k]).tolist())
+    for _ in range(depth - 1):
+        best = sorted(level, key=lambda v: -tree.path_log_probs[v])[:beam]
+        parents = [p for p in best for _ in range(top_k)]
+        q = np.log(rng.dirichlet(np.ones(top_k + 1), size=len(best))[:, :top_k]).ravel()
+        level = tree.add_level(parents, rng.integers(0, vocab, len(parents)).tolist(), q.tolist())
+    return tree
+
+
+def settled_tree(rng: np.random.Generator, p_top: float) -> SettledTree:
+    """A greedy pass over a random tree whose target accepts a parent's most likely child with
+    probability ``p_top`` and any other child never, whatever q says (so q is a poor guide)."""
+    tree = random_tree(rng, vocab=1000)
+    path, parent = [], -1
+    while True:
+        kids = [v for v in range(len(tree)) if tree.parents[v] == parent]
+        if not kids or rng.random() >= p_top:
+            tree.greedy_next = 999_999  # the target's token matches no child
+            break
+        best = max(kids, key=lambda v: (tree.log_probs[v], -v))
+        path.append(best)
+        parent = best
+    return SettledTree(tree, verified=[], accepted=path)
+
+
+# --------------------------------------------------------------------------- the plug-in kind
+
+
+def test_estimators_are_registered_and_listed(capsys):
+    from specfit.commands.plugins import run
+
+    names = sorted(e.name for e in get_plugins().entries() if e.kind == "acceptance")
+    assert names == ["calibrated", "learned", "path_prob"]
+    run()
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert {line[1] for line in lines if line[0] == "acceptance"} == set(names)
+
+
+def selector_for(cfg):
+    selector = get_plugins()["selector"].create(cfg.selector)
+    attach_acceptance(selector, cfg.get("acceptance"))
+    return selector
+
+
+def test_the_acceptance_group_reaches_the_selector_with_its_settings():
+    selector = selector_for(compose([*SPECFIT, "acceptance=learned", "acceptance.prior_strength=5"]))
+    assert isinstance(selector.estimator, LearnedAcceptance) and selector.estimator.prior_strength == 5
+    assert isinstance(selector_for(compose(SPECFIT)).estimator, PathProbAcceptance)  # the default
+    eagle3 = get_plugins()["selector"].create(compose(["model=tiny", "acceptance=learned"]).selector)
+    attach_acceptance(eagle3, compose(["model=tiny", "acceptance=learned"]).acceptance)  # ignored: no estimates used
+    assert not hasattr(eagle3, "estimator")
+    assert "acceptance=calibrated" in compose([]).method_presets["specfit_calibrated"]
+
+
+def test_selector_acceptance_is_the_earlier_spelling_of_the_group():
+    assert isinstance(selector_for(compose([*SPECFIT, "selector.acceptance=calibrated"])).estimator, CalibratedAcceptance)
+    agreeing = selector_for(compose([*SPECFIT, "selector.acceptance=learned", "acceptance=learned"]))
+    assert isinstance(agreeing.estimator, LearnedAcceptance)
+    with pytest.raises(ConfigError, match="selector.acceptance=calibrated and acceptance=learned disagree"):
+        selector_for(compose([*SPECFIT, "selector.acceptance=calibrated", "acceptance=learned"]))
+    with pytest.raises(ConfigError, match="selector.acceptance='foo'.*registered: calibrated, learned, path_prob"):
+        SpecFitSelector(acceptance="foo")
+    with pytest.raises(ConfigError, match="acceptance"):
+        compose([*SPECFIT, "acceptance=foo"])
+    with pytest.raises(ConfigError, match="acceptance.forget"):
+        selector_for(compose([*SPECFIT, "acceptance=learned", "acceptance.forget=2"]))
+
+
+# --------------------------------------------------------------------------- what they estimate
+
+
+def test_an_untrained_learned_estimator_is_path_prob():
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        tree = random_tree(rng)
+        np.testing.assert_allclose(LearnedAcceptance().estimate(tree), tree.path_probs(), rtol=1e-5)
+
+
+def test_learned_estimates_per_level_equal_the_whole_tree_and_never_rise_with_depth():
+    rng = np.random.default_rng(1)
+    full = random_tree(rng, depth=5)
+    learned = LearnedAcceptance()
+    learned.weights = rng.normal(size=len(FEATURES))
+    grown = DraftTree(root_token=0)
+    for d in range(1, full.depth + 1):
+        part = full.level(d)
+        grown.add_level(full.parents[part.start:part.stop], full.tokens[part.start:part.stop],
+                        full.log_probs[part.start:part.stop])
+        step = learned.estimate(grown)  # computed for the new level only
+    fresh = LearnedAcceptance()
+    fresh.weights = learned.weights
+    np.testing.assert_allclose(step, fresh.estimate(full))
+    parents = np.asarray(full.parents)
+    has_parent = parents >= 0
+    assert np.all(step[has_parent] <= step[parents[has_parent]] + 1e-12)
+
+
+def test_vectorised_greedy_outcomes_equal_the_reference():
+    rng = np.random.default_rng(2)
+    for _ in range(200):
+        tree = random_tree(rng, vocab=3, top_k=int(rng.integers(1, 4)), depth=int(rng.integers(1, 5)))
+        path, parent = [], -1
+        while True:
+            kids = [v for v in range(len(tree)) if tree.parents[v] == parent]
+            if not kids or rng.random() < 0.3:
+                break
+            parent = kids[int(rng.integers(len(kids)))]
+            path.append(parent)
+        tree.greedy_next = int(rng.integers(0, 3))
+        np.testing.assert_array_equal(greedy_settled(tree, path), greedy_outcomes(tree, path))
+
+
+def test_conditional_samples_are_the_children_of_accepted_nodes():
+    tree = DraftTree(root_token=0)
+    tree.add_level([-1, -1], [1, 2], [-0.1, -2.0])
+    tree.add_level([0, 0, 1], [3, 4, 5], [-0.2, -1.0, -0.1])
+    tree.greedy_next = 7
+    nodes, hit = conditional(tree, [], [0])  # node 0 accepted, then the target wants 7: no child matches
+    assert nodes.tolist() == [0, 1, 2, 3] and hit.tolist() == [True, False, False, False]
+    nodes, hit = settled(tree, [], [0])  # unconditionally node 4 (below a rejected node) is settled too
+    assert nodes.tolist() == [0, 1, 2, 3, 4] and hit.tolist() == [True, False, False, False, False]
+
+
+def test_learned_beats_path_prob_where_q_is_a_poor_guide():
+    """The target accepts the top-ranked child 70% of the time, q notwithstanding: learned (online,
+    from scratch) and calibrated must score better than path_prob on the same trees."""
+    rng = np.random.default_rng(3)
+    trees = [settled_tree(rng, 0.7) for _ in range(300)]
+    scores = {name: score(make(), trees) for name, make in
+              (("path_prob", PathProbAcceptance), ("calibrated", CalibratedAcceptance), ("learned", LearnedAcceptance))}
+    assert scores["learned"].brier < 0.8 * scores["path_prob"].brier
+    assert scores["learned"].log_loss < scores["path_prob"].log_loss
+    assert scores["learned"].log_loss < scores["calibrated"].log_loss
+    assert scores["path_prob"].nodes == scores["learned"].nodes > 1000
+    offline = LearnedAcceptance()
+    assert offline.fit_trees(trees[:200]) > 200
+    held_out = score(offline, trees[200:], learn=False)
+    assert held_out.brier < score(PathProbAcceptance(), trees[200:]).brier
+    rows = held_out.as_dict()["acceptance_reliability"]
+    assert sum(n for _, _, n in rows) == held_out.nodes and all(0 <= f <= 1 and 0 <= o <= 1 for f, o, _ in rows)
+
+
+def test_learned_state_round_trips_and_bad_states_are_refused_or_ignored(tmp_path):
+    rng = np.random.default_rng(4)
+    trained = LearnedAcceptance()
+    for _ in range(50):
+        item = settled_tree(rng, 0.6)
+        trained.observe(item.tree, item.verified, item.accepted)
+    tree = random_tree(rng)
+    restored = LearnedAcceptance()
+    restored.load_state(json.loads(json.dumps(trained.state())))
+    np.testing.assert_allclose(restored.estimate(tree), trained.estimate(tree))
+    ignored = LearnedAcceptance()
+    ignored.load_state({**trained.state(), "features": ["other"]})
+    np.testing.assert_allclose(ignored.estimate(tree), tree.path_probs(), rtol=1e-5)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"state": {**trained.state(), "weights": [1.0, "x"]}}))
+    with pytest.raises(ConfigError, match=f"acceptance.state_file={bad}: weights"):
+        LearnedAcceptance(state_file=str(bad)).bind(None)
+    with pytest.raises(ConfigError, match="no such file"):
+        LearnedAcceptance(state_file=str(tmp_path / "missing.json")).bind(None)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"state": trained.state()}))
+    from_file = LearnedAcceptance(state_file=str(good))
+    from_file.bind(None)
+    np.testing.assert_allclose(from_file.estimate(tree), trained.estimate(tree))
+
+
+# --------------------------------------------------------------------------- decoding stays exact
+
+
+def reference(n=30):
+    with torch.no_grad():
+        return tiny_model().generate(torch.tensor([PROMPT]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0].tolist()
+
+
+def engine_with(name: str, ref: list[int], **selector_kwargs) -> Engine:
+    return Engine(tiny_model(), drafter=ScriptedDrafter(ref, vocab=256, branching=3, depth=4, miss=0.2),
+                  selector=SpecFitSelector(acceptance=name, **selector_kwargs),
+                  cost_model=UnionCostModel(constants=CONSTANTS), predictor=HistoryPredictor(), device="cpu")
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+def test_greedy_output_is_identical_with_every_estimator(name):
+    ref = reference()
+    engine = engine_with(name, ref, draft_gate=False)
+    out = engine.generate(PROMPT, max_new_tokens=30)
+    assert out.token_ids == ref[len(PROMPT):]
+    assert out.stats["accepted_tokens"] > 0 and engine.selector.acceptance_score.nodes > 0
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+def test_seeded_sampling_gives_the_same_tokens_with_every_estimator(name):
+    """Keyed sampling: a token depends on the seed and its position only, so whatever subtree an
+    estimator makes the selector verify, the output equals autoregressive sampling's."""
+    ref = reference()
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+    plain = Engine(tiny_model(), device="cpu").generate(PROMPT, 20, params).token_ids
+    out = engine_with(name, ref, draft_gate=False).generate(PROMPT, 20, params)
+    assert out.token_ids == plain and out.stats["cycles"] < 20  # drafts were accepted
+
+
+VOCAB = 6
+TARGET = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0, -1.0])
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+def test_the_acceptance_rule_keeps_the_target_distribution_on_what_each_estimator_selects(name):
+    """The statistical check of tests/core/test_sampling.py on the block each estimator's a_v
+    selects (the nodes with a_v >= 0.05 of a tree over 6 tokens; learned trained first)."""
+    rng = np.random.default_rng(5)
+    estimator = get_plugins()["acceptance"].get(name).cls()
+    for _ in range(30):
+        item = settled_tree(rng, 0.7)
+        estimator.observe(item.tree, item.verified, item.accepted)
+    tree = DraftTree(root_token=0)
+    tree.add_level([-1, -1, -1, -1], [3, 1, 3, 5], np.log([0.4, 0.3, 0.2, 0.05]).tolist())
+    tree.add_level([1, 0], [4, 2], np.log([0.5, 0.3]).tolist())
+    a = estimator.estimate(tree)
+    block = verify_block(tree, [v for v in range(len(tree)) if a[v] >= 0.05])
+    logits = torch.stack([TARGET] * len(block))
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=1))
+    counts = np.zeros(VOCAB)
+    for trial in range(4000):
+        sampler.position = 2 * trial
+        acc = accept(block, logits, sampler)
+        counts[block.tokens[acc.path[0]] if acc.path else acc.bonus] += 1
+    expected = TARGET.double().softmax(-1).numpy() * counts.sum()
+    assert len(block) > 2 and chisquare(counts, expected).pvalue > 1e-3
+
+
+# --------------------------------------------------------------------------- per-setup state
+
+
+def test_a_new_engine_of_the_setup_starts_from_the_gate_and_estimator_it_left():
+    ref = reference()
+    first = engine_with("learned", ref)
+    keeper = attach_setup_state(first)
+    assert keeper is not None and first.selector.keeper is keeper
+    first.generate(PROMPT, max_new_tokens=20)
+    gate = first.selector.gate
+    gate.skip_left, gate.backoff = 4, 8  # as if drafting had lost: the next cycles skip it
+    keeper.save()  # saved every SAVE_INTERVAL seconds while decoding, and when the selector goes
+    stored = json.loads(state_path(first).read_text())
+    assert stored["gate"]["specfit/measured"]["skip_left"] == 4 and "learned" in stored["acceptance"]
+
+    second = engine_with("learned", ref)
+    assert attach_setup_state(second) is not None
+    assert second.selector.gate.state() == gate.state()
+    np.testing.assert_allclose(second.selector.estimator.weights, first.selector.estimator.weights)
+    assert not second.selector.should_draft()  # it does not learn again that drafting loses
+
+    modelled = engine_with("learned", ref, draft_time="modelled")  # decisions from the inputs alone
+    assert attach_setup_state(modelled) is None and modelled.selector.gate.state()["skip_left"] == 0
+
+
+def test_a_damaged_state_file_is_ignored_and_rewritten():
+    ref = reference()
+    engine = engine_with("calibrated", ref)
+    path = state_path(engine)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\xff{not json")
+    keeper = attach_setup_state(engine)
+    assert engine.selector.gate.state()["plain_passes"] == 0.0  # nothing loaded
+    engine.generate(PROMPT, max_new_tokens=12)
+    keeper.save()
+    assert set(json.loads(path.read_text())) == {"gate", "acceptance"}
+
+
+def test_build_attaches_the_setup_state():
+    import specfit
+
+    cfg = compose([*SPECFIT, "drafter=none", "cost_model.c0=0.002", "cost_model.c_tok=0.0001",
+                   "cost_model.c_miss=0.0004", "cost_model.c_hit=0.00002", "acceptance=learned"])
+    engine = specfit.build(cfg)
+    assert engine.selector.keeper is not None and isinstance(engine.selector.estimator, LearnedAcceptance)
