@@ -1,0 +1,77 @@
+"""The commands around acceptance estimators and cost profiles on one recorded trace:
+`specfit replay replay.cost_profile=...`, `specfit fit-acceptance`, and `specfit report` of their rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specfit.cli import main
+from specfit.core.cost_profiles import COST_PROFILES
+from specfit.report import write_report
+
+PROFILE = "qwen3-30b-a3b-h200-pcie5"
+
+
+@pytest.fixture(scope="module")
+def trace_dir(tmp_path_factory):
+    """The tiny model with a random EAGLE-3 head (nothing accepted), no cost model (no calibration)."""
+    root = tmp_path_factory.mktemp("est")
+    main(["record", "model=tiny", "drafter.top_k=3", "drafter.depth=2", "drafter.total_tokens=4", "~cost_model",
+          "workload.prompt_ids=[[5,17,99,3],[12,200,31,7]]", "max_new_tokens=8", f"trace.path={root / 'trace'}",
+          f"hydra.run.dir={root / 'rec'}"])
+    return root / "trace"
+
+
+def rows_of(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_replay_with_a_profile_charges_its_constants_and_says_time_is_modelled(trace_dir, tmp_path, capsys):
+    main(["replay", f"trace.path={trace_dir}", "methods=[ar,specfit_learned]", "cache.capacity=4", "replay.oracle=false",
+          f"replay.cost_profile={PROFILE}", "cost_model.c_tok=0.001", f"hydra.run.dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert f"time: modelled on cost profile {PROFILE}" in out and "draft time: modelled" in out
+    rows = {r["method"]: r for r in rows_of(tmp_path / "results.jsonl")}
+    profile = COST_PROFILES[PROFILE].constants
+    assert set(rows) == {"ar", "specfit_learned"}
+    for r in rows.values():
+        assert r["time"] == "modelled" and r["cost_profile"] == PROFILE and r["draft_time"] == "modelled"
+        assert r["cost_constants"]["c_miss"] == pytest.approx(profile.c_miss)
+        assert r["cost_constants"]["c_tok"] == 0.001  # an explicit constant overrides the profile's
+    assert rows["ar"]["predicted_seconds"] >= rows["ar"]["cycles"] * (profile.c0 + 0.001)
+    learned = rows["specfit_learned"]  # the estimator's forecasts are scored in the replay
+    assert learned["acceptance_estimator"] == "learned" and learned["acceptance_nodes"] > 0
+    assert "acceptance_brier" not in rows["ar"]
+
+
+def test_fit_acceptance_writes_a_model_replay_uses_and_scores_report_plots(trace_dir, tmp_path, capsys):
+    out = tmp_path / "fit"
+    main(["fit-acceptance", f"trace.path={trace_dir}", f"out_dir={out}", "held_out_fraction=0.5",
+          f"hydra.run.dir={tmp_path / 'run'}"])
+    printed = capsys.readouterr().out
+    assert "learned (fitted)" in printed and "brier" in printed
+    model = json.loads((out / "learned.json").read_text())
+    assert model["samples"] > 0 and set(model["scores"]) == {"path_prob", "calibrated", "learned", "learned (fitted)"}
+    rows = rows_of(out / "results.jsonl")
+    assert [r["acceptance_estimator"] for r in rows] == ["path_prob", "calibrated", "learned", "learned (fitted)"]
+    assert all(r["acceptance_nodes"] == rows[0]["acceptance_nodes"] > 0 for r in rows)
+
+    main(["replay", f"trace.path={trace_dir}", "selector=specfit", "acceptance=learned",
+          f"acceptance.state_file={out / 'learned.json'}", "replay.draft_time=modelled", "cache.capacity=4",
+          "cost_model.c0=0.002", "cost_model.c_tok=0.0001", "cost_model.c_miss=0.0004", "cost_model.c_hit=0.00002",
+          f"hydra.run.dir={tmp_path / 'rep'}"])
+    assert rows_of(tmp_path / "rep" / "results.jsonl")[0]["acceptance_estimator"] == "learned"
+
+    report = write_report([out / "results.jsonl", tmp_path / "rep" / "results.jsonl"], tmp_path / "report")
+    text = report.read_text()
+    assert "## Acceptance estimators" in text and "learned (fitted)" in text and "specfit (learned)" in text
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "report" / "reliability.png").stat().st_size > 1000
+
+
+def test_fit_acceptance_needs_a_trace(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["fit-acceptance", f"out_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert info.value.code == 2 and "trace.path" in capsys.readouterr().err
