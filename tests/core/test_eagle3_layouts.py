@@ -327,6 +327,8 @@ def test_speculators_layout_maps_its_fields(tmp_path):
         torch.testing.assert_close(fed(h, tokens, pos), loaded.norm(loaded(h, tokens, pos)))
         torch.testing.assert_close(fed.logits(fed(h, tokens, pos)), loaded.logits(loaded(h, tokens, pos)))
     lossless(tmp_path / "fed")
+    with pytest.raises(ModelError, match="norm_output=true feeds normed outputs back has no HF-layout"):
+        save_head(fed, tmp_path / "fed_hf")
     # its norm_before_residual defaults to true when absent (vLLM's adapter)
     raw = json.loads((d / "config.json").read_text())
     del raw["norm_before_residual"]
@@ -361,6 +363,17 @@ def test_speculators_qwen3_layers_normalise_queries_and_keys(tmp_path):
 
 
 # --------------------------------------------------------------------------- refusals, one line each
+
+
+def test_speculators_layer_ids_count_hidden_states_and_convert_back_to_sglangs(tmp_path):
+    src, head = tiny_head(tmp_path / "src", aux_layer_ids=[0, 1, 2])
+    d = write_speculators(src, tmp_path / "spec")
+    assert json.loads((d / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    engine = lossless(d)
+    assert engine.drafter.feature_layers() == (1, 2, 3)  # the outputs of layers 0, 1 and 2
+    hf = save_head(load_head(d), tmp_path / "hf")
+    assert json.loads((hf / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    assert trace(tiny_model(), load_head(hf)) == trace(tiny_model(), head)
 
 
 def _spec(tmp: Path, **top: object) -> Path:
