@@ -22,16 +22,19 @@ class RouterProbe:
     def __init__(self, model: nn.Module, spec: MoESpec) -> None:
         self.k = spec.top_k
         self.embedding = model.get_input_embeddings()
-        self.routers, self.norms = [], []
+        self.routers, self.biases, self.norms = [], [], []
         for name in spec.module_names:
             block_name = name.rpartition(".")[0]
             layer_name = block_name.rpartition(".")[0]
             block, layer = model.get_submodule(block_name), model.get_submodule(layer_name)
             router = getattr(block, "gate", None)
+            if router is None:
+                router = getattr(block, "router", None)  # gpt-oss's name
             norm = getattr(layer, "post_attention_layernorm", None)
             if router is None or not isinstance(getattr(router, "weight", None), torch.Tensor) or norm is None:
                 raise ModelError(f"router probe: cannot find the router (gate) and post_attention_layernorm of {block_name}")
             self.routers.append(router.weight)
+            self.biases.append(getattr(router, "bias", None))  # gpt-oss's router has one
             self.norms.append(norm)
         self._cache: dict[int, np.ndarray] = {}
 
@@ -41,7 +44,13 @@ class RouterProbe:
         missing = [t for t in dict.fromkeys(tokens) if t not in self._cache]
         if missing:
             x = self.embedding(torch.tensor(missing, device=self.embedding.weight.device))
-            picks = [torch.topk((norm(x) @ w.T).float(), self.k, dim=-1).indices for w, norm in zip(self.routers, self.norms)]
+            picks = [torch.topk(_scores(norm(x), w, b), self.k, dim=-1).indices
+                     for w, b, norm in zip(self.routers, self.biases, self.norms)]
             for t, e in zip(missing, torch.stack(picks, dim=1).cpu().numpy().astype(np.int32)):
                 self._cache[t] = e
         return [self._cache[t] for t in tokens]
+
+
+def _scores(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    scores = x.to(weight.dtype) @ weight.T
+    return (scores if bias is None else scores + bias).float()

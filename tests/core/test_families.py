@@ -220,3 +220,25 @@ def test_gpt_oss_checkpoint_with_sdpa_is_refused_naming_the_key(tmp_path):
     with pytest.raises(ModelError, match=r"^model.attn_implementation=sdpa: GptOssForCausalLM \(model_type 'gpt_oss'\) "
                                          r"does not support sdpa attention in transformers; set model.attn_implementation=eager$"):
         load_target(ModelConfig(path=str(tmp_path), device="cpu"))
+
+
+@pytest.mark.parametrize("predictor", ["history", "router_probe"])
+def test_gpt_oss_specfit_selector_matches_hf_generate(predictor):
+    """SpecFit's cost-aware selection on gpt-oss (its router is `mlp.router`, with a bias)."""
+    from specfit.core.calibration import CostConstants
+    from specfit.plugins.cost_models.union import UnionCostModel
+    from specfit.plugins.predictors.history import HistoryPredictor
+    from specfit.plugins.predictors.router_probe import RouterProbePredictor
+    from specfit.plugins.selectors.specfit import SpecFitSelector
+
+    if not gpt_oss_offloads():
+        pytest.skip("the offload runtime does not implement gpt-oss's expert layout yet")
+    ref = reference("tiny-gpt-oss")
+    constants = CostConstants(c0=2e-3, c_tok=1e-5, c_miss=1e-5, c_hit=1e-6, c_level=1e-4)  # cheap misses: verify trees
+    engine = Engine(model("tiny-gpt-oss"), cache=LRUCache(capacity=3), device="cpu",
+                    drafter=ScriptedDrafter(ref, vocab=256, branching=3, depth=3, miss=0.1), selector=SpecFitSelector(),
+                    cost_model=UnionCostModel(constants=constants),
+                    predictor={"history": HistoryPredictor, "router_probe": RouterProbePredictor}[predictor]())
+    out = engine.generate(PROMPT, max_new_tokens=24)
+    assert out.token_ids == ref[len(PROMPT):]
+    assert out.stats["spec_decode_acceptance_length"] > 1.0  # some drafted tokens were accepted
