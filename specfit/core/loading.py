@@ -112,10 +112,12 @@ def stream_checkpoint(path: str, dtype: str = "auto", attn_implementation: str =
     local = check_checkpoint(path)
     files = safetensors_files(local) if local is not None else []
     if not files:
-        if local is not None:
-            print(f"specfit: model.path={path} has no safetensors files: loading it with transformers' from_pretrained "
-                  f"(the experts are copied once more into the host store)", file=sys.stderr, flush=True)
-        return _from_pretrained(path, dtype, attn_implementation, local), None
+        model = _from_pretrained(path, dtype, attn_implementation, local)
+        if local is not None:  # after the load: a broken file's error stays the one line
+            print(f"specfit: model.path={path} has no safetensors files: loaded with transformers' from_pretrained "
+                  f"(the engine copies its experts into the host store: a second host copy while it builds)",
+                  file=sys.stderr, flush=True)
+        return model, None
     return _stream(str(local), files, dtype, attn_implementation, numerics, _load_device(device))
 
 
