@@ -412,6 +412,13 @@ def _narrow_head_without_lm_head(tmp: Path) -> Path:
     return edit(save_head(head, tmp / "narrow"), drop=("lm_head.weight",))
 
 
+def _first_layer_twice(d: Path) -> Path:
+    state = load_file(str(d / "model.safetensors"))
+    state["midlayer.norm_x.weight"], state["layers.0.norm_x.weight"] = torch.ones(3), torch.ones(3)
+    save_file(state, str(d / "model.safetensors"))
+    return d
+
+
 def _tiny(tmp: Path, **config: object) -> Path:
     return edit(tiny_head(tmp / "h")[0], **config)
 
@@ -433,6 +440,8 @@ REFUSALS = {
                                r"unexpected tensors fc.kernel$"),
     "no_lm_head_other_width": (_narrow_head_without_lm_head,
                                r"head has no lm_head and its hidden_size 32 differs from the target's 64"),
+    "first_layer_twice": (lambda t: _first_layer_twice(tiny_head(t / "h")[0]),
+                          r"h: tensor midlayer.norm_x.weight appears twice in the head's weights"),
     "speculators_type": (lambda t: _spec(t, speculators_model_type="mtp"), r"config.json: speculators_model_type='mtp'"),
     "speculators_layer_type": (lambda t: _layer_type(_spec(t), "mistral"),
                                r"config.json: transformer_layer_config.model_type='mistral'"),

@@ -87,7 +87,7 @@ def load_head(path: str | Path) -> Eagle3Head:
                 "vocab_size", "draft_vocab_size", "target_hidden_size"):
         if getattr(cfg, key) < 1:
             raise ModelError(f"{config_file}: {key}={getattr(cfg, key)} must be >= 1")
-    state = tensor_names(_read_state(path), raw)
+    state = tensor_names(_read_state(path), raw, str(path))
     head = Eagle3Head(cfg)
     if "embed_tokens.weight" in state:
         head.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)

@@ -137,8 +137,9 @@ def _from_speculators(raw: dict[str, Any], source: str) -> Eagle3Config:
     return cfg
 
 
-def tensor_names(state: dict[str, torch.Tensor], raw: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors under the head's own names (``midlayer.*`` for the first layer)."""
+def tensor_names(state: dict[str, torch.Tensor], raw: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the head's own names (``midlayer.*`` for the first layer);
+    ``where`` (the head's directory) names errors."""
     out = {}
     for name, tensor in state.items():
         name = name.removeprefix("model.")
@@ -146,6 +147,9 @@ def tensor_names(state: dict[str, torch.Tensor], raw: dict[str, Any]) -> dict[st
             continue  # the verifier's norm and lm_head, kept by the trainer for its loss only
         if name.startswith("layers.0."):
             name = "midlayer." + name.removeprefix("layers.0.")
+        if name in out:
+            raise ModelError(f"{where}: tensor {name} appears twice in the head's weights (as midlayer.* and layers.0.*, "
+                             "or with and without the model. prefix)")
         out[name] = tensor
     return out
 
