@@ -88,7 +88,8 @@ def _mxfp4_tensors(names: list[str], get: Callable[[str], torch.Tensor],
         yield base, weight
 
 
-def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, name: str = "blocks") -> torch.Tensor:
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                     name: str = "blocks") -> torch.Tensor:
     """``blocks`` uint8 [..., G, 16] and e8m0 ``scales`` uint8 [..., G] -> ``dtype`` [..., G * 32]."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ModelError(f"mxfp4 tensor {name}: blocks and scales must be uint8, not {blocks.dtype} and {scales.dtype}")

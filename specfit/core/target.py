@@ -68,8 +68,9 @@ class Target:
         """At engine build: a drafter that proposes tokens needs tree verification, which a recurrent
         (linear-attention) layer cannot do exactly; refuse it here rather than mid-decode."""
         if self.recurrent and depth > 0:
-            raise ModelError(f"drafter={name}: {type(self.model).__name__} has linear-attention layers, whose recurrent "
-                             "state tree verification cannot roll back per token; use drafter=none (autoregressive)")
+            raise ModelError(f"drafter={name}: {type(self.model).__name__} has linear-attention layers, whose "
+                             "recurrent state tree verification cannot roll back per token; use drafter=none "
+                             "(autoregressive)")
 
     def reset(self) -> None:
         cache = DynamicCache(config=self.model.config)
@@ -89,7 +90,7 @@ class Target:
         return self._forward(input_ids, position_ids=None, mask=None, last_logits_only=True)
 
     def verify(self, block: VerifyBlock) -> PassOutput:
-        if self.recurrent and len(block) > 1:  # check_drafter refuses this at build; a direct call must not corrupt the state
+        if self.recurrent and len(block) > 1:  # refused at build (check_drafter); never corrupt the state
             raise ModelError(f"{type(self.model).__name__} has linear-attention layers: it verifies one token per pass")
         prefix = self.kv_len
         input_ids = torch.tensor([block.tokens], device=self.device)
@@ -127,7 +128,8 @@ class Target:
         layer_types = getattr(self.model.config, "layer_types", None)
         if not layer_types:  # one kind of layer (Mixtral with a window): one mask
             return self._mask_tensor(allowed & in_window)
-        masks = {"full_attention": self._mask_tensor(allowed), "sliding_attention": self._mask_tensor(allowed & in_window)}
+        masks = {"full_attention": self._mask_tensor(allowed),
+                 "sliding_attention": self._mask_tensor(allowed & in_window)}
         return {kind: masks[kind] for kind in set(layer_types)}
 
     def _mask_tensor(self, allowed: torch.Tensor) -> torch.Tensor:

@@ -218,7 +218,8 @@ def test_gpt_oss_checkpoint_with_sdpa_is_refused_naming_the_key(tmp_path):
 
     model("tiny-gpt-oss").save_pretrained(tmp_path)
     with pytest.raises(ModelError, match=r"^model.attn_implementation=sdpa: GptOssForCausalLM \(model_type 'gpt_oss'\) "
-                                         r"does not support sdpa attention in transformers; set model.attn_implementation=eager$"):
+                                         r"does not support sdpa attention in transformers; "
+                                         r"set model.attn_implementation=eager$"):
         load_target(ModelConfig(path=str(tmp_path), device="cpu"))
 
 

@@ -93,7 +93,8 @@ def test_fp8_block_values_dequantize_exactly(scales):
 def test_quantization_config_is_named_or_refused():
     assert quantization_of({}, "model.path=x") is None
     assert quantization_of({"quantization_config": {"quant_method": "mxfp4"}}, "model.path=x") == "mxfp4"
-    assert quantization_of({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "x") == "fp8"
+    fp8 = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    assert quantization_of(fp8, "x") == "fp8"
     for method in ("gptq", "awq", "bitsandbytes", "compressed-tensors"):
         with pytest.raises(ModelError) as info:
             quantization_of({"quantization_config": {"quant_method": method, "bits": 4}}, "model.path=/ckpt")
@@ -193,8 +194,9 @@ def _fused(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str
     layers = sorted({k.split(".experts.")[0] for k in weights if ".experts." in k})
     for prefix in layers:
         n = model.get_parameter(f"{prefix}.experts.gate_up_proj").shape[0]
-        state[f"{prefix}.experts.gate_up_proj"] = torch.stack([
-            torch.cat([weights[f"{prefix}.experts.{e}.gate_proj.weight"], weights[f"{prefix}.experts.{e}.up_proj.weight"]])
+        expert = f"{prefix}.experts"
+        state[f"{expert}.gate_up_proj"] = torch.stack([
+            torch.cat([weights[f"{expert}.{e}.gate_proj.weight"], weights[f"{expert}.{e}.up_proj.weight"]])
             for e in range(n)])
         state[f"{prefix}.experts.down_proj"] = torch.stack([weights[f"{prefix}.experts.{e}.down_proj.weight"]
                                                             for e in range(n)])
