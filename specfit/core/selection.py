@@ -153,8 +153,8 @@ class CostAwareSelector(SelectorBase):
         if estimates.shape != (len(tree),) or not np.all((estimates >= 0) & (estimates <= 1)):
             from specfit.errors import PluginError
 
-            raise PluginError(f"acceptance '{self.estimator.name}'.estimate returned {estimates.shape} values "
-                              f"(min {estimates.min(initial=0):.3g}, max {estimates.max(initial=0):.3g}); "
+            shown = f"values in [{np.nanmin(estimates):.3g}, {np.nanmax(estimates):.3g}]" if estimates.size else "nothing"
+            raise PluginError(f"acceptance '{self.estimator.name}' (estimate) returned {estimates.shape} {shown}; "
                               f"expected {len(tree)} probabilities in [0, 1]")
         self._estimates = estimates
         return estimates

@@ -317,3 +317,22 @@ def test_build_attaches_the_setup_state():
                    "cost_model.c_miss=0.0004", "cost_model.c_hit=0.00002", "acceptance=learned"])
     engine = specfit.build(cfg)
     assert engine.selector.keeper is not None and isinstance(engine.selector.estimator, LearnedAcceptance)
+
+
+def test_a_broken_estimator_is_named():
+    from specfit.errors import PluginError
+    from specfit.interfaces import AcceptanceEstimatorBase
+
+    class Overconfident(AcceptanceEstimatorBase):
+        name = "overconfident"
+
+        def estimate(self, tree):
+            return np.full(len(tree), 1.5)
+
+    selector = SpecFitSelector()
+    selector.set_acceptance(Overconfident())
+    tree = random_tree(np.random.default_rng(6))
+    with pytest.raises(PluginError, match=r"acceptance 'overconfident' \(estimate\) returned .* values in \[1.5, 1.5\]"):
+        selector.accept_estimates(tree)
+    with pytest.raises(PluginError, match="acceptance object lacks name, bind, estimate"):
+        selector.set_acceptance(object())
