@@ -83,8 +83,8 @@ def _mxfp4_tensors(names: list[str], get: Callable[[str], torch.Tensor],
         if base + "_scales" not in present:
             raise ModelError(f"mxfp4 tensor {name} has no {base}_scales in the checkpoint")
         weight = mxfp4_dequantize(get(name), get(base + "_scales"), dtype, name)
-        if weight.dim() == 3:  # experts [E, out, in] -> [E, in, out], the bf16 checkpoint's layout
-            weight = weight.transpose(1, 2).contiguous()
+        if weight.dim() == 3:  # experts [E, out, in] -> [E, in, out], the bf16 checkpoint's layout (a view:
+            weight = weight.transpose(1, 2)  # the loader copies it into place, no second copy here)
         yield base, weight
 
 
@@ -168,6 +168,9 @@ def fp8_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
         raise ModelError(f"fp8 tensor {name} {tuple(weight.shape)}: its scale_inv is {tuple(scale_inv.shape)}, blocks "
                          f"of {block[0]}x{block[1]} need {expect}")
     if weight.dim() > 2:  # stacked experts: one at a time, to bound the float64 temporaries
-        return torch.stack([fp8_dequantize(w, s, block, dtype, name) for w, s in zip(weight, scale_inv)])
+        out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+        for i, (w, s) in enumerate(zip(weight, scale_inv)):
+            out[i] = fp8_dequantize(w, s, block, dtype, name)
+        return out
     full = scale.double().repeat_interleave(block[0], dim=-2)[:rows].repeat_interleave(block[1], dim=-1)[:, :cols]
     return (weight.double() * full).to(dtype)  # exact product, rounded once to dtype

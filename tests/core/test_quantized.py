@@ -90,6 +90,19 @@ def test_fp8_block_values_dequantize_exactly(scales):
         fp8_dequantize(values, scale[:1], (128, 128), torch.float32)
 
 
+def test_fp8_fused_experts_dequantize_expert_by_expert():
+    """transformers' fused layout: `experts.gate_up_proj` [E, out, in] with `experts.gate_up_proj_scale_inv`."""
+    torch.manual_seed(4)
+    values = torch.randn(3, 40, 24).to(torch.float8_e4m3fn)
+    scale = torch.rand(3, 3, 2) + 0.5  # blocks of 16 x 16
+    full = scale.double().repeat_interleave(16, 1)[:, :40].repeat_interleave(16, 2)[:, :, :24]
+    tensors = {"m.experts.gate_up_proj": values, "m.experts.gate_up_proj_scale_inv": scale}
+    config = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]}}
+    out = dict(dequantized(tensors, tensors.__getitem__, config, torch.bfloat16))
+    assert list(out) == ["m.experts.gate_up_proj"]
+    assert torch.equal(out["m.experts.gate_up_proj"], (values.double() * full).to(torch.bfloat16))
+
+
 def test_quantization_config_is_named_or_refused():
     assert quantization_of({}, "model.path=x") is None
     assert quantization_of({"quantization_config": {"quant_method": "mxfp4"}}, "model.path=x") == "mxfp4"
