@@ -103,7 +103,7 @@ def load_head(path: str | Path) -> Eagle3Head:
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise ModelError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, config.json implies {tuple(expected[name].shape)}")
-    dtype = next(t.dtype for k, t in state.items() if t.is_floating_point())
+    dtype = next(t.dtype for t in state.values() if t.is_floating_point())
     head.to(dtype)
     state = {**{k: expected[k] for k in optional - set(state)}, **state}
     if "d2t" in state:
