@@ -14,7 +14,7 @@ On CUDA the store is pinned (``pin=True``) so copies are true asynchronous DMA; 
 
 from __future__ import annotations
 
-import warnings
+import sys
 
 import numpy as np
 import torch
@@ -67,8 +67,8 @@ class HostExpertStore:
             except RuntimeError as exc:
                 self._pin = False
                 reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                warnings.warn(f"specfit: the host expert store is not pinned (copies will be slower): {reason}",
-                              RuntimeWarning, stacklevel=3)
+                print(f"specfit: warning: the host expert store is not pinned, copies will be slower ({reason})",
+                      file=sys.stderr)
         return torch.empty(shape, dtype=self.spec.dtype)
 
     # ------------------------------------------------------------------ writing
