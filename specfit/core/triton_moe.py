@@ -93,8 +93,12 @@ def _kernel() -> Any:
         pos = start + tl.arange(0, BLOCK_M)
         in_block = pos < end
         rows = tl.load(rows_ptr + pos, mask=in_block, other=0)
-        a_rows = rows // top_k if GATHER else pos
-        c_rows = pos if GATHER else rows
+        if GATHER:
+            a_rows = rows // top_k
+            c_rows = pos
+        else:
+            a_rows = pos
+            c_rows = rows
         cols = n0 + tl.arange(0, BLOCK_N)
         in_cols = cols < N
         w_base = w_ptr + slot * stride_ws
