@@ -318,27 +318,37 @@ def main(argv: list[str] | None = None) -> int:
 
 def _pass_rows(args: argparse.Namespace, ckpt: Path, device: torch.device, variants: list[dict[str, str]],
                common: dict[str, Any]) -> list[Row]:
-    """Ops and time of one pass, every method alive at once so that the timed passes interleave."""
+    """Ops and time of one pass. For the time, every method stays alive so that the timed passes
+    interleave; ops alone build, measure and free one method at a time (the peak is one model)."""
     measures = set(args.measures.split(","))
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, args.vocab, (1, args.tokens), generator=gen).to(device)
-    methods: dict[str, Callable[[], torch.Tensor]] = {REFERENCE: forward(build_transformers(ckpt, str(device), args.dtype), ids)}
+    builders: dict[str, Callable[[], Any]] = {
+        REFERENCE: lambda: build_transformers(ckpt, str(device), args.dtype)}
     loop_of: dict[str, str] = {}  # each method's reference implementation: the loop with the same numerics
     for variant in variants:
-        engine = build_specfit(ckpt, "full", str(device), args.dtype, variant)
         name = method_name("full", variant)
-        methods[name] = forward(engine.model, ids)
+        builders[name] = lambda v=variant: build_specfit(ckpt, "full", str(device), args.dtype, v).model
         if "expert_compute" in variant:
             loop_of[name] = method_name("full", {**variant, "expert_compute": "loop"})
-    logits = {name: fn().float() for name, fn in methods.items()}  # the warm-up pass, and outputs to compare
-    ops = {name: count_ops(fn) for name, fn in methods.items()} if "ops" in measures else {}
-    ms: dict[str, list[float]] = {name: [] for name in methods}
-    if "time" in measures:
-        for _ in range(args.repeats):
-            for name, fn in methods.items():
-                ms[name].append(timed(fn, device))
+    methods: dict[str, Callable[[], torch.Tensor]] = {}
+    logits: dict[str, torch.Tensor] = {}  # from the warm-up pass: outputs to compare
+    ops: dict[str, int] = {}
+    for name, build in builders.items():
+        fn = forward(build(), ids)
+        logits[name] = fn().float().cpu()
+        if "ops" in measures:
+            ops[name] = count_ops(fn)
+        if "time" in measures:
+            methods[name] = fn
+        del fn
+        gc.collect()
+    ms: dict[str, list[float]] = {name: [] for name in builders}
+    for _ in range(args.repeats if methods else 0):
+        for name, fn in methods.items():
+            ms[name].append(timed(fn, device))
     rows = []
-    for name in methods:
+    for name in builders:
         extra = {"argmax_agrees_with": {}, "identical_to": {}}
         for other in (REFERENCE, loop_of.get(name)):
             if other in logits and other != name:
