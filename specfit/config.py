@@ -42,7 +42,7 @@ class ModelConfig:
     """The target MoE model: a local Hugging Face checkpoint or a model built in code."""
 
     path: str | None = None  # checkpoint directory (or hub id where a hub is reachable)
-    builtin: str | None = None  # tiny-qwen3-moe | tiny-olmoe | tiny-mixtral (random weights, seeded)
+    builtin: str | None = None  # tiny-qwen3-moe | tiny-olmoe | tiny-mixtral | tiny-qwen3-next | tiny-gpt-oss (random, seeded)
     tokenizer: str | None = None  # defaults to ``path``
     dtype: str = "auto"  # auto (the checkpoint's own) | float32 | bfloat16 | float16
     device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
