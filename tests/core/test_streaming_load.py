@@ -229,3 +229,35 @@ def test_load_target_hands_the_store_to_build(saved):
     assert engine.info["expert_host_bytes"] + engine.info["expert_device_bytes"] > 0
     ref = Engine(tiny_model(), cache=FullCache(), device="cpu")
     assert engine.generate(PROMPT, max_new_tokens=8).token_ids == ref.generate(PROMPT, max_new_tokens=8).token_ids
+
+
+def test_reads_tensor_by_tensor_never_a_state_dict(saved, monkeypatch):
+    """Each tensor is read once, by name; no whole-file reader (load_file, safe_open's mmap) is used."""
+    import safetensors
+    import safetensors.torch
+
+    from specfit.core.streaming import SafetensorsReader
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a whole-file or mapped read")
+
+    monkeypatch.setattr(safetensors.torch, "load_file", refuse)
+    monkeypatch.setattr(safetensors, "safe_open", refuse)
+    reads: list[str] = []
+    real_get = SafetensorsReader.get
+    monkeypatch.setattr(SafetensorsReader, "get", lambda self, name: reads.append(name) or real_get(self, name))
+    model, store = stream_checkpoint(str(saved), device="cpu")
+    names = SafetensorsReader([saved / "model.safetensors"], "x").names()
+    assert sorted(reads) == sorted(names) and len(set(reads)) == len(reads)
+    assert store.missing() == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dense_weights_land_on_the_gpu_and_the_store_is_pinned():
+    model, store = stream_checkpoint(str(DEMO), "float32", numerics="exact", device="cuda")
+    assert all(p.device.type == "cuda" for n, p in model.named_parameters() if ".experts." not in n)
+    assert store.pinned and all(t.is_pinned() for t in store.layers)
+    engine = Engine(model, expert_store=store, cache=LRUCache(capacity=8), device="cuda", ignore_eos=True)
+    cpu_model, cpu_store = stream_checkpoint(str(DEMO), "float32", device="cpu")
+    _, reference = engine_run(cpu_model, cpu_store)
+    assert engine.generate(PROMPT, max_new_tokens=12).token_ids == reference
