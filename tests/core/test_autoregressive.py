@@ -61,7 +61,7 @@ def test_union_larger_than_slots_is_streamed_through_them():
 def test_bfloat16_model_runs_in_its_dtype():
     model = tiny_model(dtype=torch.bfloat16)
     reference = hf_greedy(tiny_model(dtype=torch.bfloat16), PROMPT, 8)
-    engine = Engine(model, cache=LRUCache(capacity=4), device="cpu")
+    engine = Engine(model, cache=LRUCache(capacity=4), device="cpu", numerics="native")  # bf16 throughout, as HF
     assert engine.runtime.stores[0].dtype == torch.bfloat16
     assert engine.generate(PROMPT, max_new_tokens=8).token_ids == reference
 
