@@ -22,7 +22,7 @@ import numpy as np
 from specfit.core.acceptance_estimators import AcceptanceScore, estimator_named, settled
 from specfit.core.search import SearchProblem, evaluate
 from specfit.core.tree import DraftTree
-from specfit.errors import ConfigError
+from specfit.errors import ConfigError, PluginError
 from specfit.interfaces import Selection, SelectionContext, SelectorBase, SelectorConfig
 from specfit.plugins.acceptance.calibrated import CalibratedAcceptance  # noqa: F401 - its earlier home
 
@@ -151,8 +151,6 @@ class CostAwareSelector(SelectorBase):
         """a_v of every node, from the estimator; a wrong shape or a value outside [0, 1] names it."""
         estimates = np.asarray(self.estimator.estimate(tree), dtype=np.float64)
         if estimates.shape != (len(tree),) or not np.all((estimates >= 0) & (estimates <= 1)):
-            from specfit.errors import PluginError
-
             shown = f"values in [{np.nanmin(estimates):.3g}, {np.nanmax(estimates):.3g}]" if estimates.size else "nothing"
             raise PluginError(f"acceptance '{self.estimator.name}' (estimate) returned {estimates.shape} {shown}; "
                               f"expected {len(tree)} probabilities in [0, 1]")
