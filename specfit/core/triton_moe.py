@@ -14,7 +14,9 @@ float32 accumulation.
 Every program writes its outputs once (no atomics), so a row's result does not depend on which
 other rows share its pass, and autotuning may rerun a launch. ``BLOCK_M`` follows the round's
 longest run (16 for decode's 1-8 rows per expert, up to 64 for verification), the other block
-sizes are autotuned per shape. With float32 activations the dot products run in IEEE float32
+sizes are autotuned per shape, except the reduction step ``BLOCK_K``, fixed so that a row's dot
+products add up in one order whatever the pass's shape (batch invariance is the aim; it is not yet
+verified on a GPU). With float32 activations the dot products run in IEEE float32
 (weights upcast in registers: ``numerics=exact`` over bf16 slots); with bf16/fp16 activations on
 tensor cores with float32 accumulation. Under ``TRITON_INTERPRET=1`` (CPU tests) one config is tried.
 """
@@ -34,6 +36,9 @@ from specfit.errors import ConfigError
 
 _KERNEL: Any = None
 _KERNEL_INTERPRETED: bool | None = None
+#: The reduction step over K, the same for every shape: a row's sum runs in the same order whatever
+#: BLOCK_M and BLOCK_N the pass gets (toward batch invariance: decode and verification agree).
+BLOCK_K = 64
 
 
 def interpreting() -> bool:
@@ -69,11 +74,10 @@ def _kernel() -> Any:
     import triton.language as tl
 
     if interpret:
-        configs = [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4)]
+        configs = [triton.Config({"BLOCK_N": 32}, num_warps=4)]
     else:  # decode (BLOCK_M 16) and verification (32-64) shapes share these; the key separates them
-        configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-                   for n, k, w, s in ((64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3),
-                                      (256, 64, 8, 3), (32, 128, 4, 4))]
+        configs = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
+                   for n, w, s in ((32, 4, 4), (64, 4, 3), (64, 4, 5), (128, 4, 3), (128, 8, 4), (256, 8, 3))]
 
     @triton.autotune(configs=configs, key=["N", "K", "BLOCK_M", "GATHER", "FP32"])
     @triton.jit
@@ -165,5 +169,5 @@ class TritonCompute(ExpertCompute):
             a, w, bias if bias is not None else w, route, c,
             plan.rows, plan.extra["block_slot"], plan.extra["block_start"], plan.extra["block_end"],
             n, k, top_k, a.stride(0), w.stride(0), w.stride(1), bias.stride(0) if bias is not None else 0, c.stride(0),
-            GATHER=gather, HAS_BIAS=bias is not None, FP32=fp32, BLOCK_M=bm,
+            GATHER=gather, HAS_BIAS=bias is not None, FP32=fp32, BLOCK_M=bm, BLOCK_K=BLOCK_K,
         )
