@@ -97,33 +97,35 @@ def main(argv: list[str] | None = None) -> int:
         logits = torch.randn(args.tokens, args.experts, generator=gen)
         top_w, top_i = logits.softmax(-1).topk(args.top_k, dim=-1)
         top_i, top_w = top_i.to(device), top_w.to(device, act_dtype)
-        reference = None
+        runtimes, outputs, ops = {}, {}, {}
         for impl in args.impls.split(","):
             store = HostExpertStore(spec)  # cache=full releases the store's layer after the preload: one each
             store.layers[0] = weights
-            rt = runtime(args, store, impl, dtype)
-            act = rt_act = nn.SiLU()
-            rt.run_layer(0, hidden, top_i, top_w, act)  # warm-up (and Triton's autotuning)
+            rt = runtimes[impl] = runtime(args, store, impl, dtype)
+            rt.run_layer(0, hidden, top_i, top_w, nn.SiLU())  # warm-up (and Triton's autotuning)
             counter = OpCounter()
             with counter:
-                out = rt.run_layer(0, hidden, top_i, top_w, rt_act)
-            times = []
-            for _ in range(args.repeats):
+                outputs[impl] = rt.run_layer(0, hidden, top_i, top_w, nn.SiLU())
+            ops[impl] = counter.ops
+        times: dict[str, list[float]] = {impl: [] for impl in runtimes}
+        for _ in range(args.repeats):  # interleaved: a shared machine's drift spreads over every implementation
+            for impl, rt in runtimes.items():
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 start = time.perf_counter()
-                rt.run_layer(0, hidden, top_i, top_w, act)
+                rt.run_layer(0, hidden, top_i, top_w, nn.SiLU())
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                times.append(time.perf_counter() - start)
-            if reference is None:
-                reference = out
+                times[impl].append(time.perf_counter() - start)
+        reference = next(iter(outputs.values()))
+        for impl, rt in runtimes.items():
+            out = outputs[impl]
             diff = (out.float() - reference.float()).abs().max().item()
             rows.append({"dtype": dtype_name, "activations": str(act_dtype).removeprefix("torch."), "impl": rt.compute.name,
-                         "tokens": args.tokens, "distinct_experts": int(top_i.unique().numel()), "ops": counter.ops,
-                         "ms": round(1000 * statistics.median(times), 2), "max_diff_vs_first": diff,
+                         "tokens": args.tokens, "distinct_experts": int(top_i.unique().numel()), "ops": ops[impl],
+                         "ms": round(1000 * statistics.median(times[impl]), 2), "max_diff_vs_first": diff,
                          "identical_to_first": bool(torch.equal(out, reference)), "device": str(device)})
-            del rt, store
+        del runtimes, outputs
         del weights
     for row in rows:
         if args.json:
