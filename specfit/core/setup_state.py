@@ -10,9 +10,9 @@ The file holds sections, so selectors and estimators of one setup share it witho
 each other::
 
     {"acceptance": {"learned": {...}, "calibrated": {...}},
-     "gate": {"specfit/measured": {...}, "greedy/modelled": {...}}}
+     "gate": {"specfit/path_prob/measured": {...}, "greedy/learned/measured": {...}}}
 
-The gate is keyed by selector and ``draft_time``. Only selectors with ``draft_time=measured``
+The gate is keyed by selector, estimator and ``draft_time``. Only selectors with ``draft_time=measured``
 (the default) keep state: with ``modelled`` every decision depends on the run's inputs alone, and
 a fresh engine must decide as any other would, so it starts from nothing. Saving
 merges into the file and writes it atomically (:func:`specfit.files.write_atomic`), at most every
@@ -114,7 +114,9 @@ def attach_setup_state(engine: Any) -> StateKeeper | None:
     estimator = getattr(selector, "estimator", None)
     if estimator is None or not hasattr(selector, "keeper") or getattr(selector, "draft_time", None) != "measured":
         return None
-    keeper = StateKeeper(state_path(engine), f"{selector.name}/{selector.draft_time}", selector.gate, estimator)
+    # what drafting earns depends on what is verified: the selector and its estimator name the gate's section
+    keeper = StateKeeper(state_path(engine), f"{selector.name}/{estimator.name}/{selector.draft_time}",
+                         selector.gate, estimator)
     if keeper.gate is None and not keeper.owns_estimator:
         return None
     keeper.load()

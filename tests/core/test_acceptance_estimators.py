@@ -285,7 +285,7 @@ def test_a_new_engine_of_the_setup_starts_from_the_gate_and_estimator_it_left():
     gate.skip_left, gate.backoff = 4, 8  # as if drafting had lost: the next cycles skip it
     keeper.save()  # saved every SAVE_INTERVAL seconds while decoding, and when the selector goes
     stored = json.loads(state_path(first).read_text())
-    assert stored["gate"]["specfit/measured"]["skip_left"] == 4 and "learned" in stored["acceptance"]
+    assert stored["gate"]["specfit/learned/measured"]["skip_left"] == 4 and "learned" in stored["acceptance"]
 
     second = engine_with("learned", ref)
     assert attach_setup_state(second) is not None
