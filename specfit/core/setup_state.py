@@ -101,6 +101,8 @@ class StateKeeper:
             write_atomic(self.path, json.dumps(data, indent=1) + "\n")
         except OSError as exc:
             print(f"specfit: could not save the selector's state to {self.path}: {exc.strerror or exc}", file=sys.stderr)
+        except (TypeError, ValueError) as exc:  # a plug-in estimator's state() that is not JSON
+            print(f"specfit: acceptance '{self.estimator.name}' state() is not JSON ({exc}); not saved", file=sys.stderr)
 
 
 def attach_setup_state(engine: Any) -> StateKeeper | None:

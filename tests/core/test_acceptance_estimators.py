@@ -336,3 +336,18 @@ def test_a_broken_estimator_is_named():
         selector.accept_estimates(tree)
     with pytest.raises(PluginError, match="acceptance object lacks name, bind, estimate"):
         selector.set_acceptance(object())
+
+
+def test_a_state_that_is_not_json_is_one_line_not_an_error(tmp_path, capsys):
+    from specfit.core.setup_state import StateKeeper
+
+    class Odd(PathProbAcceptance):
+        name = "odd"
+
+        def state(self):
+            return {"x": object()}
+
+    keeper = StateKeeper(tmp_path / "s.json", "specfit/odd/measured", None, Odd())
+    keeper.tick()  # marks it dirty; the interval has not passed
+    keeper.save()
+    assert "acceptance 'odd' state() is not JSON" in capsys.readouterr().err and not (tmp_path / "s.json").exists()
