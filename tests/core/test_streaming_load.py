@@ -151,6 +151,30 @@ def test_gpt_oss_fused_transposed_interleaved_experts_with_biases(tmp_path):
     assert_same_weights(streamed, store, reference)
 
 
+def test_deepseek_v3_bf16_shared_experts_and_its_float32_router(tmp_path):
+    """DeepSeek-V3 in bf16: a dense first layer, shared experts beside the routed ones, and the router
+    (``gate.weight``, ``e_score_correction_bias``) kept in float32 as transformers' strict plan says."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "deepseek_v3", vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, tie_word_embeddings=False, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    model.save_pretrained(tmp_path)
+    streamed, store, reference = both_ways(tmp_path, "auto")
+    assert streamed.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    assert store.spec.dtype == torch.bfloat16 and store.spec.num_layers == 2
+    ref_logits, ref_tokens = engine_run(copy.deepcopy(reference), None, n=8)
+    assert_same_weights(streamed, store, reference)
+    logits, tokens = engine_run(streamed, store, n=8)
+    assert torch.equal(logits, ref_logits) and tokens == ref_tokens
+
+
 def test_base_model_dtype_and_numerics_at_load(tmp_path):
     """The demo (bf16 on disk) loaded auto: bf16 experts; exact: dense weights float32 with the bf16 values."""
     native, native_store = stream_checkpoint(str(DEMO), "auto", numerics="native", device="cpu")
