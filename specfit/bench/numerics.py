@@ -3,7 +3,8 @@
     python -m specfit.bench.numerics --out docs/results/numerics.jsonl [--prompts 12] [--max-new-tokens 64]
 
 For the demo pair loaded in bf16 (``model.dtype=bfloat16``) and the tiny families (tiny-qwen3-moe,
-tiny-olmoe, tiny-mixtral: seeded random weights, a random EAGLE-3 head, random prompts), and for
+tiny-olmoe, tiny-mixtral: their seeded random weights saved as a bf16 checkpoint, so that the fp32
+reference reads the same values; a random EAGLE-3 head; random prompts), and for
 each ``model.numerics`` (``native``, ``exact``; where the setting does not exist yet, the one
 numerics ``model.dtype`` gives), decodes greedily with AR, EAGLE-3 and SpecFit (the
 ``method_presets`` of the same names) and compares token by token:
@@ -14,8 +15,8 @@ numerics ``model.dtype`` gives), decodes greedily with AR, EAGLE-3 and SpecFit (
 A row counts the prompts whose output differs and the first differing position of each. The demo
 pair decodes the prose workload's held-out prompts (``workload=prose``, from the data directory),
 or the package's ``assets/demo/prompts.jsonl`` when the data directory is missing (the output says
-which). Also reports time per generated token (wall clock on this machine) of each row, so native
-and exact can be compared on CPU. Prints a table; appends one JSON line per row to ``--out``.
+which). Also reports time per generated token (wall clock on this machine; all engines of a model
+decode prompt by prompt in turn) of each row, so native and exact can be compared on CPU. Prints a table; appends one JSON line per row to ``--out``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import argparse
 import dataclasses
 import json
 import platform
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,7 +37,7 @@ import numpy as np
 import torch
 
 METHODS = ("ar", "eagle3", "specfit")
-TINY_FAMILIES = {"tiny-qwen3-moe": "tiny", "tiny-olmoe": "tiny-olmoe", "tiny-mixtral": "tiny-mixtral"}
+TINY_FAMILIES = ("tiny-qwen3-moe", "tiny-olmoe", "tiny-mixtral")
 DEFAULT_NUMERICS = "model.dtype"  # the label when ModelConfig has no numerics setting (before issue 13)
 # SpecFit's cost constants (seconds) unless --calibrate: a GPU-like setup (Qwen3-30B-A3B expert misses over
 # PCIe 4.0), fixed so that no run spends minutes calibrating; they decide the tree sizes verified, not the
@@ -113,28 +116,47 @@ def random_prompts(count: int, vocab: int, length: int, seed: int) -> list[list[
     return [rng.integers(0, vocab, size=length).tolist() for _ in range(count)]
 
 
-def decode(preset: str, method: str, dtype: str, numerics: str, prompts: Sequence[Any], max_new_tokens: int,
-           extra: Sequence[str] = ()) -> Run:
-    """Greedy outputs of one method (a ``method_presets`` entry) over ``prompts``, on CPU; ``extra``:
-    overrides for the methods with a cost model."""
+def tiny_checkpoint(name: str, workdir: Path, seed: int) -> Path:
+    """A tiny family's seeded weights saved in bf16, so that the bf16 runs and the fp32 reference
+    read the same values (a built-in model made in each dtype would have different random weights)."""
+    from specfit.core.builtin_models import build_builtin
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    path = workdir / f"{name}-s{seed}"
+    if not (path / "config.json").is_file():
+        build_builtin(name, seed=seed, dtype=torch.float32).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def build_engine(model: Sequence[str], method: str, dtype: str, numerics: str, max_new_tokens: int,
+                 extra: Sequence[str] = ()) -> Any:
+    """An engine for one method (a ``method_presets`` entry) on CPU, greedy; ``model``: the model's
+    overrides; ``extra``: overrides for the methods with a cost model."""
     import specfit
 
-    base = specfit.compose([f"model={preset}"])
-    preset_overrides = list(base.method_presets[method])
-    overrides = [f"model={preset}", *preset_overrides, f"model.dtype={dtype}", "model.device=cpu",
-                 f"max_new_tokens={max_new_tokens}", "ignore_eos=true"]
-    if any(o.startswith("cost_model=") for o in preset_overrides):
+    preset = list(specfit.compose(list(model)).method_presets[method])
+    overrides = [*model, *preset, f"model.dtype={dtype}", "model.device=cpu", f"max_new_tokens={max_new_tokens}",
+                 "ignore_eos=true"]
+    if any(o.startswith("cost_model=") for o in preset):
         overrides += extra
-    if numerics != DEFAULT_NUMERICS:
+    if numerics not in (DEFAULT_NUMERICS, "-"):
         overrides.append(f"model.numerics={numerics}")
-    engine = specfit.build(specfit.compose(overrides))
-    engine.generate(prompts[0], max_new_tokens=2)  # warm-up: first-call costs are not charged per token
-    outputs, seconds = [], 0.0
+    return specfit.build(specfit.compose(overrides))
+
+
+def decode_interleaved(engines: dict[tuple[str, str, str], Any], prompts: Sequence[Any]) -> dict[tuple[str, str, str], Run]:
+    """Every engine's greedy outputs over ``prompts``, prompt by prompt across engines (a shared
+    machine's drift spreads over all of them); each engine is warmed up first, not charged."""
+    for engine in engines.values():
+        engine.generate(prompts[0], max_new_tokens=2)
+    runs = {key: Run([], 0.0) for key in engines}
     for prompt in prompts:
-        start = time.perf_counter()
-        outputs.append(list(engine.generate(prompt).token_ids))
-        seconds += time.perf_counter() - start
-    return Run(outputs, seconds)
+        for key, engine in engines.items():
+            start = time.perf_counter()
+            runs[key].outputs.append(list(engine.generate(prompt).token_ids))
+            runs[key].seconds += time.perf_counter() - start
+    return runs
 
 
 def compare(model: str, dtype: str, numerics: str, method: str, against: str, run: Run, reference: Run,
@@ -144,18 +166,22 @@ def compare(model: str, dtype: str, numerics: str, method: str, against: str, ru
                run.seconds * 1e3 / max(run.tokens, 1), run.tokens, source, torch.__version__, platform.node())
 
 
-def measure_model(model: str, preset: str, prompts: Sequence[Any], source: str, max_new_tokens: int,
+def measure_model(model: str, overrides: Sequence[str], prompts: Sequence[Any], source: str, max_new_tokens: int,
                   numerics: Sequence[str], methods: Sequence[str], dtype: str = "bfloat16",
                   extra: Sequence[str] = ()) -> list[Row]:
     """Every (numerics, method) of one model against its AR and against fp32 AR."""
     print(f"# {model}: {len(prompts)} prompts from {source}, {max_new_tokens} new tokens", file=sys.stderr, flush=True)
-    fp32 = decode(preset, "ar", "float32", numerics[0], prompts, max_new_tokens, extra)
+    reference = ("float32", "-", "ar")
+    keys = [reference] + [(dtype, n, m) for n in numerics for m in methods]
+    engines = {key: build_engine(overrides, key[2], key[0], key[1], max_new_tokens, extra) for key in keys}
+    runs = decode_interleaved(engines, prompts)
+    fp32 = runs[reference]
     rows = [compare(model, "float32", "-", "ar", "fp32", fp32, fp32, source)]  # the reference's own time
     for n in numerics:
-        runs = {m: decode(preset, m, dtype, n, prompts, max_new_tokens, extra) for m in methods}
-        for m, run in runs.items():
+        for m in methods:
+            run = runs[(dtype, n, m)]
             if m != "ar":
-                rows.append(compare(model, dtype, n, m, "ar", run, runs["ar"], source))
+                rows.append(compare(model, dtype, n, m, "ar", run, runs[(dtype, n, "ar")], source))
             rows.append(compare(model, dtype, n, m, "fp32", run, fp32, source))
     return rows
 
@@ -186,21 +212,25 @@ def main(argv: list[str] | None = None) -> int:
     numerics = numerics_settings()
     extra = () if args.calibrate else FIXED_CONSTANTS
     rows: list[Row] = []
+    workdir = Path(tempfile.mkdtemp(prefix="specfit-numerics-"))
     for model in [m for m in args.models.split(",") if m]:
         if model == "demo":
             prompts, source = demo_prompts(args.prompts)
-            rows += measure_model("demo", "demo", prompts, source, args.max_new_tokens, numerics, methods, args.dtype,
+            rows += measure_model("demo", ["model=demo"], prompts, source, args.max_new_tokens, numerics, methods, args.dtype,
                                   extra)
         elif model in TINY_FAMILIES:
             from specfit.core.builtin_models import builtin_config
 
             vocab = builtin_config(model).vocab_size
             prompts = random_prompts(args.prompts, vocab, args.tiny_prompt_len, args.seed)
-            source = f"random token ids (seed {args.seed}, {args.tiny_prompt_len} tokens); random EAGLE-3 head"
-            rows += measure_model(model, TINY_FAMILIES[model], prompts, source, args.max_new_tokens, numerics,
+            source = (f"random token ids (seed {args.seed}, {args.tiny_prompt_len} tokens); weights of model.builtin="
+                      f"{model} (seed {args.seed}) saved in bf16; random EAGLE-3 head")
+            ckpt = tiny_checkpoint(model, workdir, args.seed)
+            rows += measure_model(model, [f"model.path={ckpt}"], prompts, source, args.max_new_tokens, numerics,
                                   methods, args.dtype, extra)
         else:
             raise SystemExit(f"--models: unknown {model!r}; choose from demo, {', '.join(TINY_FAMILIES)}")
+    shutil.rmtree(workdir, ignore_errors=True)
     _print(rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
