@@ -76,9 +76,30 @@ def load_target(cfg: ModelConfig) -> LoadedModel:
         return LoadedModel(model, None, f"builtin:{cfg.builtin}")
     if not cfg.path:
         raise ModelError("no model: set model.path=DIR (a Hugging Face checkpoint) or model=<preset>")
-    model, store = stream_checkpoint(cfg.path, cfg.dtype, cfg.attn_implementation, cfg.numerics, cfg.device)
-    tokenizer = load_tokenizer(cfg.tokenizer, "model.tokenizer", required=True) if cfg.tokenizer else load_tokenizer(cfg.path)
+    path = hub_snapshot(cfg.path) or cfg.path
+    model, store = stream_checkpoint(path, cfg.dtype, cfg.attn_implementation, cfg.numerics, cfg.device)
+    tokenizer = load_tokenizer(cfg.tokenizer, "model.tokenizer", required=True) if cfg.tokenizer else load_tokenizer(path)
     return LoadedModel(model, tokenizer, cfg.path, store)
+
+
+#: What a hub checkpoint needs to be streamed: configs, safetensors weights and the tokenizer's files.
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
+
+
+def hub_snapshot(path: str) -> str | None:
+    """A hub id's files in the local hub cache (fetched first where the hub is reachable, as
+    ``from_pretrained`` would), so that a hub checkpoint streams like a local one; None for a local
+    path, or when there is no snapshot with safetensors weights (``from_pretrained`` then loads it,
+    or says why it cannot)."""
+    if Path(path).expanduser().exists() or path.startswith((".", "/", "~")) or path.count("/") != 1:
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = Path(snapshot_download(path, allow_patterns=HUB_FILES))
+    except Exception:  # noqa: BLE001 - offline, unknown repo, gated: from_pretrained reports it in one line
+        return None
+    return str(local) if (local / "config.json").is_file() and safetensors_files(local) else None
 
 
 def check_checkpoint(path: str) -> Path | None:

@@ -285,3 +285,34 @@ def test_dense_weights_land_on_the_gpu_and_the_store_is_pinned():
     cpu_model, cpu_store = stream_checkpoint(str(DEMO), "float32", device="cpu")
     _, reference = engine_run(cpu_model, cpu_store)
     assert engine.generate(PROMPT, max_new_tokens=12).token_ids == reference
+
+
+def test_a_hub_id_streams_from_its_snapshot(saved, monkeypatch):
+    """``model.path=org/name``: the hub's snapshot (here a stand-in directory) is streamed like a local one."""
+    import huggingface_hub
+
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, allow_patterns=None, **kw: asked.append((repo, allow_patterns)) or str(saved))
+    loaded = load_target(ModelConfig(path="someorg/tiny-moe", device="cpu"))
+    assert asked and asked[0][0] == "someorg/tiny-moe" and "*.safetensors" in asked[0][1]
+    assert "*.bin" not in asked[0][1]  # weights are fetched once, as safetensors
+    assert loaded.expert_store is not None and loaded.source == "someorg/tiny-moe"
+    assert not any(p.is_meta for n, p in loaded.model.named_parameters() if ".experts." not in n)
+
+
+def test_a_hub_id_without_a_snapshot_is_left_to_from_pretrained(tmp_path, monkeypatch):
+    """Offline, unknown or .bin-only: no snapshot to stream, so from_pretrained loads it or says why."""
+    import huggingface_hub
+
+    from specfit.core.loading import hub_snapshot
+
+    def offline(*args, **kwargs):
+        raise OSError("offline")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    assert hub_snapshot("someorg/absent") is None
+    (tmp_path / "config.json").write_text("{}")  # a snapshot without safetensors weights
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: str(tmp_path))
+    assert hub_snapshot("someorg/bin-only") is None
+    assert hub_snapshot(str(tmp_path)) is None  # a local directory is no hub id
