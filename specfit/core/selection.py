@@ -165,7 +165,9 @@ class CostAwareSelector(SelectorBase):
         if self.draft_time == "modelled":
             c = cost_model.constants
             spent = c.c_draft0 + c.c_level * tree.depth
-        problem = cost_model.problem(tree, self.accept_estimates(tree), ctx.resident, spent)
+        arriving = getattr(ctx, "arriving", None)  # experts in flight (issue 14); None: not pipelined
+        extra = {"arriving": arriving} if arriving is not None and takes_arriving(cost_model) else {}
+        problem = cost_model.problem(tree, self.accept_estimates(tree), ctx.resident, spent, **extra)
         allowed = np.zeros(len(tree), dtype=bool)
         allowed[tree.top_by_path_prob(ctx.max_nodes)] = True
         mask = self.choose(problem, allowed)
@@ -221,3 +223,20 @@ class CostAwareSelector(SelectorBase):
         if self.draft_time == "modelled" or self.gate.plain_passes == 0.0:
             self.gate.plain(predicted_plain)
         self.gate.speculated(committed, predicted_seconds if self.draft_time == "modelled" else seconds)
+
+
+_TAKES_ARRIVING: dict[type, bool] = {}
+
+
+def takes_arriving(cost_model: Any) -> bool:
+    """Whether ``cost_model.problem`` accepts ``arriving=`` (a cost model written before issue 14
+    does not, and is then called as before)."""
+    kind = type(cost_model)
+    if kind not in _TAKES_ARRIVING:
+        import inspect
+
+        try:
+            _TAKES_ARRIVING[kind] = "arriving" in inspect.signature(cost_model.problem).parameters
+        except (TypeError, ValueError):
+            _TAKES_ARRIVING[kind] = False
+    return _TAKES_ARRIVING[kind]

@@ -9,7 +9,8 @@ Method (docs/method.md section 3):
   is usually optimal already, and then one cut certifies it.
 * For fixed lambda, g is a maximum-weight closure problem: node v has profit a_v - lambda*c_tok and
   requires its parent; it requires each expert item (l, e) it activates; an item costs
-  lambda*c_miss (lambda*c_hit if resident). One minimum s-t cut solves it (Picard 1976).
+  lambda*c_miss (lambda*(c_hit + wait) if resident, wait > 0 for an expert still in flight).
+  One minimum s-t cut solves it (Picard 1976).
 * Reductions, all exact (expert sets are bitsets, one uint64 per 64 experts of a layer):
   - items the root activates are always paid: they go into T(empty) and leave the graph; so do
     items that cost nothing (c_hit = 0 and resident, or c_miss = 0 and not);
@@ -145,7 +146,33 @@ def _expert_bitsets(node_experts, root_experts, resident, n_words):
 
 
 @njit(cache=True)
-def _evaluate(mask, accept, own, root, res, c0, c_tok, c_miss, c_hit, draft):
+def _wait_bits(wait, n_words):
+    """arr[ly, w]: the items that cost c_hit + wait (wait > 0, an expert still in flight), and
+    their waits as extra[ly, 64 w + b]. Usually empty; then every sum below adds 0.0."""
+    n_layers, n_experts = wait.shape
+    arr = np.zeros((n_layers, n_words), dtype=np.uint64)
+    extra = np.zeros((n_layers, n_words * 64), dtype=np.float64)
+    for ly in range(n_layers):
+        for e in range(n_experts):
+            if wait[ly, e] > 0.0:
+                arr[ly, e >> 6] |= _ONE << np.uint64(e & 63)
+                extra[ly, e] = wait[ly, e]
+    return arr, extra
+
+
+@njit(cache=True)
+def _waited(x, ly, w, extra, total):
+    """total plus the waits of the items in bitset word x, added one by one in ascending order
+    (the order problem.evaluate adds them in, so the two agree to the last bit)."""
+    while x:
+        b = _lowest_bit(x)
+        x &= x - _ONE
+        total += extra[ly, w * 64 + b]
+    return total
+
+
+@njit(cache=True)
+def _evaluate(mask, accept, own, root, res, arr, extra, c0, c_tok, c_miss, c_hit, draft):
     """(N, T, |S|) of a node set: the same formula and summation order for T as
     problem.evaluate, so the two agree to the last bit on T."""
     n_layers, n_words = root.shape
@@ -153,6 +180,7 @@ def _evaluate(mask, accept, own, root, res, c0, c_tok, c_miss, c_hit, draft):
     n_exp = 0.0
     n_miss = 0
     n_hit = 0
+    waited = 0.0
     for v in range(mask.shape[0]):
         if mask[v]:
             size += 1
@@ -165,12 +193,13 @@ def _evaluate(mask, accept, own, root, res, c0, c_tok, c_miss, c_hit, draft):
                     u |= own[v, ly, w]
             n_hit += _popcount(u & res[ly, w])
             n_miss += _popcount(u & ~res[ly, w])
-    t = c0 + c_tok * (size + 1) + c_miss * n_miss + c_hit * n_hit + draft
+            waited = _waited(u & arr[ly, w], ly, w, extra, waited)
+    t = c0 + c_tok * (size + 1) + c_miss * n_miss + c_hit * n_hit + waited + draft
     return 1.0 + n_exp, t, size
 
 
 @njit(cache=True)
-def _topmost(own, root, res, parents, alive, c_miss, c_hit):
+def _topmost(own, root, res, arr, parents, alive, c_miss, c_hit):
     """new[v] = the items v activates that neither the root nor any ancestor activates: v is a
     topmost user of exactly these, and only topmost users need an arc to an item. Items that
     cost nothing (c_miss or c_hit is 0) constrain nothing and are left out."""
@@ -186,14 +215,15 @@ def _topmost(own, root, res, parents, alive, c_miss, c_hit):
             for w in range(n_words):
                 above = root[ly, w] if p < 0 else cover[p, ly, w]
                 costly = (~res[ly, w] if c_miss > 0.0 else zero) | (res[ly, w] if c_hit > 0.0
-                                                                     else zero)
+                                                                     else zero) | arr[ly, w]
                 new[v, ly, w] = own[v, ly, w] & ~above & costly
                 cover[v, ly, w] = above | own[v, ly, w]
     return new
 
 
 @njit(cache=True)
-def _prune(lam, node_ok, parents, accept, new, res, c_tok, c_miss, c_hit, profit, twice):
+def _prune(lam, node_ok, parents, accept, new, res, arr, extra, c_tok, c_miss, c_hit, profit,
+           twice):
     """Bound pruning and folding at lambda, to a fixpoint (see the module docstring).
 
     On return node_ok holds the surviving nodes, twice[ly, w] the items with >= 2 surviving
@@ -220,13 +250,15 @@ def _prune(lam, node_ok, parents, accept, new, res, c_tok, c_miss, c_hit, profit
                 continue
             n_miss = 0
             n_hit = 0
+            waited = 0.0
             for ly in range(n_layers):
                 for w in range(n_words):
                     private = new[v, ly, w] & ~twice[ly, w]
                     if private:
                         n_hit += _popcount(private & res[ly, w])
                         n_miss += _popcount(private & ~res[ly, w])
-            profit[v] = accept[v] - lam * (c_tok + (c_miss * n_miss + c_hit * n_hit))
+                        waited = _waited(private & arr[ly, w], ly, w, extra, waited)
+            profit[v] = accept[v] - lam * (c_tok + (c_miss * n_miss + c_hit * n_hit + waited))
             bound[v] = profit[v]
         for v in range(n - 1, -1, -1):  # bound[v]: best closed part of v's subtree, v included
             p = parents[v]
@@ -243,7 +275,7 @@ def _prune(lam, node_ok, parents, accept, new, res, c_tok, c_miss, c_hit, profit
 
 
 @njit(cache=True)
-def _shared_items(node_ok, new, twice, res, c_miss, c_hit, slot):
+def _shared_items(node_ok, new, twice, res, extra, c_miss, c_hit, slot):
     """The shared items as a CSR list: (item weights, first, users); users of an item are sorted
     by node. `slot` (size L * W * 64, all -1) is scratch and is left all -1 again."""
     n, n_layers, n_words = new.shape
@@ -273,7 +305,7 @@ def _shared_items(node_ok, new, twice, res, c_miss, c_hit, slot):
                         slot[bit] = n_items
                         item_bit[n_items] = bit
                         resident = (res[ly, w] >> np.uint64(b)) & _ONE
-                        weight[n_items] = c_hit if resident else c_miss
+                        weight[n_items] = c_hit + extra[ly, w * 64 + b] if resident else c_miss
                         n_items += 1
                     pair_item[j] = slot[bit]
                     pair_node[j] = v
@@ -427,7 +459,7 @@ def _closure_cut(lam, node_ok, parents, accept, profit, gweight, grep, first, us
 
 
 @njit(cache=True)
-def _greedy(alive, parents, accept, own, root, res, c_tok, c_miss, c_hit, n0, t0):
+def _greedy(alive, parents, accept, own, root, res, arr, extra, c_tok, c_miss, c_hit, n0, t0):
     """Marginal-ratio greedy: from the empty set, repeatedly add the frontier node with the best
     ratio a_v / (marginal time) while that exceeds the current rho. Returns (mask, N, T)."""
     n, n_layers, n_words = own.shape
@@ -445,13 +477,15 @@ def _greedy(alive, parents, accept, own, root, res, c_tok, c_miss, c_hit, n0, t0
                 continue
             n_miss = 0
             n_hit = 0
+            waited = 0.0
             for ly in range(n_layers):
                 for w in range(n_words):
                     add = own[v, ly, w] & ~cov[ly, w]
                     if add:
                         n_hit += _popcount(add & res[ly, w])
                         n_miss += _popcount(add & ~res[ly, w])
-            dt = c_tok + c_miss * n_miss + c_hit * n_hit
+                        waited = _waited(add & arr[ly, w], ly, w, extra, waited)
+            dt = c_tok + c_miss * n_miss + c_hit * n_hit + waited
             if accept[v] > best_ratio * dt:  # improves rho, and beats the best so far
                 best_ratio = accept[v] / dt if dt > 0.0 else np.inf
                 best_v = v
@@ -473,33 +507,34 @@ def _copy_into(dst, src):
 
 
 @njit(cache=True)
-def _solve_kernel(parents, accept, node_experts, root_experts, resident, c0, c_tok, c_miss,
+def _solve_kernel(parents, accept, node_experts, root_experts, resident, wait, c0, c_tok, c_miss,
                   c_hit, draft, allowed, initial, use_initial, merge, warm, tie_rtol, max_iter):
     n = parents.shape[0]
     n_layers = resident.shape[0]
     n_words = (resident.shape[1] + 63) >> 6
     own, root, res = _expert_bitsets(node_experts, root_experts, resident, n_words)
+    arr, extra = _wait_bits(wait, n_words)
 
     alive = _alive(parents, allowed)
     depth = np.zeros(n, dtype=np.int64)
     for v in range(n):
         depth[v] = 1 if parents[v] < 0 else depth[parents[v]] + 1
-    new = _topmost(own, root, res, parents, alive, c_miss, c_hit)
+    new = _topmost(own, root, res, arr, parents, alive, c_miss, c_hit)
 
     best = np.zeros(n, dtype=np.bool_)
-    best_n, best_t, best_size = _evaluate(best, accept, own, root, res, c0, c_tok, c_miss, c_hit,
-                                          draft)
+    best_n, best_t, best_size = _evaluate(best, accept, own, root, res, arr, extra, c0, c_tok,
+                                          c_miss, c_hit, draft)
     if warm:
-        g_mask, _gn, _gt = _greedy(alive, parents, accept, own, root, res, c_tok, c_miss, c_hit,
-                                   best_n, best_t)
-        i_n, i_t, i_size = _evaluate(g_mask, accept, own, root, res, c0, c_tok, c_miss, c_hit,
-                                     draft)
+        g_mask, _gn, _gt = _greedy(alive, parents, accept, own, root, res, arr, extra, c_tok,
+                                   c_miss, c_hit, best_n, best_t)
+        i_n, i_t, i_size = _evaluate(g_mask, accept, own, root, res, arr, extra, c0, c_tok,
+                                     c_miss, c_hit, draft)
         if i_n / i_t > (best_n / best_t) * (1.0 + tie_rtol):
             _copy_into(best, g_mask)
             best_n, best_t, best_size = i_n, i_t, i_size
     if use_initial:
-        i_n, i_t, i_size = _evaluate(initial, accept, own, root, res, c0, c_tok, c_miss, c_hit,
-                                     draft)
+        i_n, i_t, i_size = _evaluate(initial, accept, own, root, res, arr, extra, c0, c_tok,
+                                     c_miss, c_hit, draft)
         if i_n / i_t > (best_n / best_t) * (1.0 + tie_rtol):
             _copy_into(best, initial)
             best_n, best_t, best_size = i_n, i_t, i_size
@@ -517,7 +552,8 @@ def _solve_kernel(parents, accept, node_experts, root_experts, resident, c0, c_t
     for _ in range(max_iter):
         iterations += 1
         lam = best_n / best_t
-        _prune(lam, node_ok, parents, accept, new, res, c_tok, c_miss, c_hit, profit, twice)
+        _prune(lam, node_ok, parents, accept, new, res, arr, extra, c_tok, c_miss, c_hit, profit,
+               twice)
         n_ok = 0
         for v in range(n):
             if node_ok[v]:
@@ -525,7 +561,8 @@ def _solve_kernel(parents, accept, node_experts, root_experts, resident, c0, c_t
         if n_ok == 0:
             cand = np.zeros(n, dtype=np.bool_)  # nothing can pay at lambda: the empty set wins
         else:
-            weight, first, users = _shared_items(node_ok, new, twice, res, c_miss, c_hit, slot)
+            weight, first, users = _shared_items(node_ok, new, twice, res, extra, c_miss, c_hit,
+                                                 slot)
             if merge:
                 gweight, grep = _merge_items(weight, first, users)
             else:
@@ -536,7 +573,8 @@ def _solve_kernel(parents, accept, node_experts, root_experts, resident, c0, c_t
             max_vertices = max(max_vertices, n_vert)
             max_arcs = max(max_arcs, n_arcs)
 
-        c_n, c_t, c_size = _evaluate(cand, accept, own, root, res, c0, c_tok, c_miss, c_hit, draft)
+        c_n, c_t, c_size = _evaluate(cand, accept, own, root, res, arr, extra, c0, c_tok, c_miss,
+                                     c_hit, draft)
         rho_best = best_n / best_t
         rho_cand = c_n / c_t
         if rho_cand > rho_best * (1.0 + tie_rtol):
@@ -561,15 +599,17 @@ def _solve_kernel(parents, accept, node_experts, root_experts, resident, c0, c_t
 
 
 @njit(cache=True)
-def _greedy_kernel(parents, accept, node_experts, root_experts, resident, c0, c_tok, c_miss,
+def _greedy_kernel(parents, accept, node_experts, root_experts, resident, wait, c0, c_tok, c_miss,
                    c_hit, draft, allowed):
     n = parents.shape[0]
     n_words = (resident.shape[1] + 63) >> 6
     own, root, res = _expert_bitsets(node_experts, root_experts, resident, n_words)
+    arr, extra = _wait_bits(wait, n_words)
     alive = _alive(parents, allowed)
-    n0, t0, _s = _evaluate(np.zeros(n, dtype=np.bool_), accept, own, root, res, c0, c_tok,
-                           c_miss, c_hit, draft)
-    mask, _n, _t = _greedy(alive, parents, accept, own, root, res, c_tok, c_miss, c_hit, n0, t0)
+    n0, t0, _s = _evaluate(np.zeros(n, dtype=np.bool_), accept, own, root, res, arr, extra, c0,
+                           c_tok, c_miss, c_hit, draft)
+    mask, _n, _t = _greedy(alive, parents, accept, own, root, res, arr, extra, c_tok, c_miss,
+                           c_hit, n0, t0)
     return mask
 
 
@@ -627,9 +667,9 @@ def solve(problem: SearchProblem, allowed: np.ndarray | None = None,
         use_init = True
     (mask, n_exp, t_cost, iterations, calls, max_depth, depth_counts, n_vert, n_arcs,
      n_ok) = _solve_kernel(problem.parents, problem.accept, problem.node_experts,
-                           problem.root_experts, problem.resident, problem.c0, problem.c_tok,
-                           problem.c_miss, problem.c_hit, problem.draft_time, allowed_arr,
-                           init_arr, use_init, merge, warm, TIE_RTOL, _MAX_ITER)
+                           problem.root_experts, problem.resident, problem.wait, problem.c0,
+                           problem.c_tok, problem.c_miss, problem.c_hit, problem.draft_time,
+                           allowed_arr, init_arr, use_init, merge, warm, TIE_RTOL, _MAX_ITER)
     return SearchResult(mask=mask, rho=n_exp / t_cost, n_expected=n_exp, time_cost=t_cost,
                         iterations=int(iterations), maxflow_calls=int(calls),
                         max_depth=int(max_depth), depth_counts=depth_counts,
@@ -643,5 +683,6 @@ def greedy(problem: SearchProblem, allowed: np.ndarray | None = None) -> np.ndar
     beats the current rho. Not optimal in general; returns the bool[n] mask."""
     allowed_arr = _allowed_mask(problem, allowed)
     return _greedy_kernel(problem.parents, problem.accept, problem.node_experts,
-                          problem.root_experts, problem.resident, problem.c0, problem.c_tok,
-                          problem.c_miss, problem.c_hit, problem.draft_time, allowed_arr)
+                          problem.root_experts, problem.resident, problem.wait, problem.c0,
+                          problem.c_tok, problem.c_miss, problem.c_hit, problem.draft_time,
+                          allowed_arr)

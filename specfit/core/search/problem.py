@@ -29,6 +29,10 @@ class SearchProblem:
     resident:     bool[L, E]      experts resident in the device cache when verification starts.
     c0, c_tok, c_miss, c_hit:     cost constants in seconds (all >= 0).
     draft_time:   D, drafting time already spent in this cycle (seconds, >= 0).
+    wait:         float64[L, E]   seconds a resident expert still makes its layer wait (an expert
+                                  in flight when its layer runs: docs/method.md section 2); such an
+                                  item costs c_hit + wait. None (the default) is all zeros; entries
+                                  of experts that are not resident are ignored.
     """
 
     parents: np.ndarray
@@ -41,6 +45,7 @@ class SearchProblem:
     c_miss: float
     c_hit: float
     draft_time: float = 0.0
+    wait: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -60,6 +65,13 @@ class SearchProblem:
         if ne.size == 0 and n == 0:
             ne = np.zeros((0, n_layers, self.root_experts.shape[1]), dtype=np.int32)
         put("node_experts", np.ascontiguousarray(ne, dtype=np.int32))
+        if self.wait is None:
+            put("wait", np.zeros(self.resident.shape, dtype=np.float64))
+        else:
+            wait = np.asarray(self.wait, dtype=np.float64)
+            if wait.shape != self.resident.shape:
+                raise ValueError(f"wait has shape {wait.shape}, expected {self.resident.shape}")
+            put("wait", np.ascontiguousarray(np.where(self.resident, wait, 0.0)))
         for name in ("c0", "c_tok", "c_miss", "c_hit", "draft_time"):
             put(name, float(getattr(self, name)))
         self.validate()
@@ -94,6 +106,8 @@ class SearchProblem:
         consts = (self.c0, self.c_tok, self.c_miss, self.c_hit, self.draft_time)
         if not all(np.isfinite(c) and c >= 0.0 for c in consts):
             raise ValueError("cost constants and draft_time must be finite and >= 0")
+        if not (np.all(np.isfinite(self.wait)) and np.all(self.wait >= 0.0)):
+            raise ValueError("wait must be finite and >= 0")
         if _expected_and_time(self, np.zeros(n, dtype=bool))[1] <= 0.0:
             raise ValueError("T(empty set) must be positive: the objective is a ratio")
 
@@ -138,8 +152,11 @@ def _expected_and_time(problem: SearchProblem, mask: np.ndarray) -> tuple[float,
     covered = covered[:, :n_experts]
     n_hit = int(np.count_nonzero(covered & problem.resident))
     n_miss = int(np.count_nonzero(covered)) - n_hit
+    waited = 0.0
+    for x in problem.wait[covered & (problem.wait > 0.0)]:  # in order, as the fast search sums
+        waited += float(x)
     size = int(np.count_nonzero(mask))
     n_expected = 1.0 + float(problem.accept[mask].sum())
     time_cost = (problem.c0 + problem.c_tok * (size + 1) + problem.c_miss * n_miss
-                 + problem.c_hit * n_hit + problem.draft_time)
+                 + problem.c_hit * n_hit + waited + problem.draft_time)
     return n_expected, time_cost

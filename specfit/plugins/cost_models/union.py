@@ -4,6 +4,11 @@ A cycle that verifies subtree S costs ``c0 + c_tok (|S| + 1) + sum_l [c_miss |U_
 c_hit |U_l & R_l|] + D``, where U_l is the union of the experts the root and S activate in layer
 l, R_l the experts resident when verification starts, and D the time already spent drafting.
 Cache-aware by default; ``cache_aware=false`` charges every expert c_miss.
+
+With a pipelined runtime (issue 14) the selector also gets ``arriving`` [L, E], the seconds until
+each expert is usable (0 resident, > 0 in flight, inf absent). An expert in flight counts with
+R_l, charged c_hit plus what remains of its wait when its layer runs (``arrival_waits``); absent
+(the default), the model is exactly the one above.
 """
 
 from __future__ import annotations
@@ -98,8 +103,10 @@ class UnionCostModel(CostModelBase):
 
     # ------------------------------------------------------------------ predictions
 
-    def problem(self, tree: DraftTree, accept: np.ndarray, resident: np.ndarray, draft_seconds: float) -> SearchProblem:
-        """The selection instance for ``tree`` (docs/method.md sections 2-3)."""
+    def problem(self, tree: DraftTree, accept: np.ndarray, resident: np.ndarray, draft_seconds: float,
+                arriving: np.ndarray | None = None) -> SearchProblem:
+        """The selection instance for ``tree`` (docs/method.md sections 2-3); ``arriving`` (optional,
+        float [L, E] from the runtime) makes experts in flight hits plus their remaining wait."""
         c = self.constants
         layers, k = self.spec.num_layers, self.spec.top_k
         if tree.root_experts is None or (tree.experts is None and len(tree)):
@@ -107,6 +114,9 @@ class UnionCostModel(CostModelBase):
                               "set predictor=history (or another predictor that fills tree.root_experts and tree.experts)")
         node_experts = tree.experts[: len(tree)] if tree.experts is not None else np.zeros((0, layers, k), np.int32)
         root = tree.root_experts
+        wait = None
+        if arriving is not None and self.cache_aware:
+            resident, wait = arrival_waits(c, resident, arriving)
         return SearchProblem(
             parents=tree.parents_array(),
             accept=accept,
@@ -118,14 +128,16 @@ class UnionCostModel(CostModelBase):
             c_miss=c.c_miss,
             c_hit=c.c_hit if self.cache_aware else c.c_miss,
             draft_time=draft_seconds,
+            wait=wait,
         )
 
-    def predict(self, tree: DraftTree, nodes: Sequence[int], resident: np.ndarray, draft_seconds: float) -> float:
+    def predict(self, tree: DraftTree, nodes: Sequence[int], resident: np.ndarray, draft_seconds: float,
+                arriving: np.ndarray | None = None) -> float:
         """T(S) of verifying ``nodes``, in seconds (a convenience for analysis: not part of the
         CostModel contract, which the core uses through ``problem``)."""
         mask = np.zeros(len(tree), dtype=bool)
         mask[list(nodes)] = True
-        problem = self.problem(tree, np.zeros(len(tree)), resident, draft_seconds)
+        problem = self.problem(tree, np.zeros(len(tree)), resident, draft_seconds, arriving=arriving)
         return evaluate(problem, mask)[1]
 
     def observe(self, record: Any) -> None:
@@ -153,3 +165,25 @@ class UnionCostModel(CostModelBase):
         c_copy = (fitted.c_miss - fitted.c_hit) if enough_misses else (old.c_miss - old.c_hit)
         self._constants = CostConstants(c0=c0, c_tok=c_tok, c_miss=c_hit + c_copy, c_hit=c_hit, c_level=old.c_level,
                                         c_draft0=old.c_draft0, samples=len(window), source="online")
+
+
+def arrival_waits(c: CostConstants, resident: np.ndarray, arriving: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(usable, wait): which experts count as hits, and the seconds each still makes its layer wait.
+
+    An expert is usable if resident or in flight (``arriving`` finite). Layer l (of L) of the
+    verification pass is taken to start ``l / L x (c0 + c_tok)`` after selection, the share of a
+    root-only pass's fixed work before it (a lower bound: it leaves out the earlier layers' expert
+    compute, so waits are not underestimated); an expert arriving later makes the layer wait the
+    difference. A wait never exceeds one copy (c_miss - c_hit): a copy issued when the layer runs
+    would queue behind it on the same link, so an expert in flight never costs more than a miss.
+    """
+    arriving = np.asarray(arriving, dtype=np.float64)
+    if arriving.shape != np.shape(resident):
+        raise ValueError(f"arriving has shape {arriving.shape}, expected {np.shape(resident)} (layers, experts)")
+    if np.any(np.isnan(arriving)) or np.any(arriving < 0):
+        raise ValueError("arriving must hold seconds >= 0 (inf for an absent expert)")
+    usable = np.asarray(resident, dtype=bool) | np.isfinite(arriving)
+    layers = arriving.shape[0]
+    starts = np.arange(layers, dtype=np.float64)[:, None] * ((c.c0 + c.c_tok) / max(layers, 1))
+    remaining = np.where(usable, np.nan_to_num(arriving, posinf=0.0) - starts, 0.0)
+    return usable, np.clip(remaining, 0.0, max(c.c_miss - c.c_hit, 0.0))

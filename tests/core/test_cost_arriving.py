@@ -1,0 +1,137 @@
+"""The union cost model with experts in flight (issue 14, item 4): an expert arriving by the time
+its layer runs is a hit plus its remaining wait, not a miss; without `arriving` nothing changes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from specfit.core.calibration import CostConstants
+from specfit.core.moe import MoESpec
+from specfit.core.search import SearchProblem, evaluate
+from specfit.core.search.bruteforce import brute_force
+from specfit.core.search.exact import greedy, solve
+from specfit.core.search.synthetic import random_small_problem
+from specfit.core.tree import DraftTree
+from specfit.interfaces import SelectionContext
+from specfit.plugins.cost_models.union import UnionCostModel, arrival_waits
+from specfit.plugins.selectors.specfit import SpecFitSelector
+
+C = CostConstants(c0=1e-3, c_tok=1e-4, c_miss=5e-3, c_hit=1e-4)
+INF = math.inf
+
+
+def two_children() -> tuple[UnionCostModel, DraftTree, np.ndarray]:
+    """Root uses resident expert 0 in both layers; child 0 (q 0.6) needs expert 1, child 1 (q 0.5)
+    expert 2, in both layers; neither is resident. Verifying either as misses loses to the root
+    alone (rho 1.6 / 11.4 ms and 1.5 / 11.4 ms against 1 / 1.3 ms)."""
+    model = UnionCostModel(constants=C)
+    model.bind(MoESpec(num_layers=2, num_experts=4, top_k=1, hidden_size=8, intermediate_size=8,
+                       dtype=torch.float32, module_names=("a", "b"), decoder_layers=(0, 1)))
+    tree = DraftTree(root_token=0)
+    tree.add_level([-1, -1], [5, 6], [math.log(0.6), math.log(0.5)])
+    tree.root_experts = np.array([[0], [0]], dtype=np.int32)
+    tree.experts = np.array([[[1], [1]], [[2], [2]]], dtype=np.int32)
+    resident = np.zeros((2, 4), dtype=bool)
+    resident[:, 0] = True
+    return model, tree, resident
+
+
+def arriving_for(resident: np.ndarray, **in_flight: float) -> np.ndarray:
+    """0 where resident, inf where absent, and the given seconds for experts named e<id>."""
+    arriving = np.where(resident, 0.0, INF)
+    for name, seconds in in_flight.items():
+        arriving[:, int(name[1:])] = seconds
+    return arriving
+
+
+def choose(model: UnionCostModel, tree: DraftTree, resident: np.ndarray, arriving=None) -> list[int]:
+    ctx = SelectionContext(resident=resident, draft_seconds=0.0, max_depth=1, max_nodes=8, cost_model=model)
+    if arriving is not None:
+        ctx.arriving = arriving  # the field the runtime fills (contract H); set as the cycle does
+    return SpecFitSelector().select(tree, ctx).nodes
+
+
+def test_an_arriving_expert_changes_the_chosen_subtree() -> None:
+    model, tree, resident = two_children()
+    assert choose(model, tree, resident) == []
+    # child 1's expert is already on the link and lands before either layer runs: a hit
+    assert choose(model, tree, resident, arriving_for(resident, e2=1e-4)) == [1]
+    # landing long after its layers run: no better than a miss (the wait is capped at one copy)
+    assert choose(model, tree, resident, arriving_for(resident, e2=1.0)) == []
+    # nothing in flight: the same problem as without arriving, node for node
+    assert choose(model, tree, resident, arriving_for(resident)) == []
+
+
+def test_remaining_wait_is_charged_on_top_of_a_hit() -> None:
+    model, tree, resident = two_children()
+    start1 = 0.5 * (C.c0 + C.c_tok)  # layer 1 of 2 runs after half a root-only pass's fixed work
+    arriving = arriving_for(resident, e2=start1 + 2e-4)
+    problem = model.problem(tree, np.array([0.6, 0.5]), resident, 0.0, arriving=arriving)
+    assert problem.resident[:, 2].all() and not problem.resident[:, 1].any()
+    assert problem.wait[0, 2] == pytest.approx(start1 + 2e-4)  # layer 0 runs at once
+    assert problem.wait[1, 2] == pytest.approx(2e-4)
+    _, seconds, _ = evaluate(problem, np.array([False, True]))
+    expected = C.c0 + 2 * C.c_tok + 2 * C.c_hit + 2 * C.c_hit + (start1 + 2e-4) + 2e-4
+    assert seconds == pytest.approx(expected)
+    # capped: in flight never costs more than a miss
+    _, wait = arrival_waits(C, resident, arriving_for(resident, e2=10.0))
+    assert wait[:, 2] == pytest.approx([C.c_miss - C.c_hit] * 2)
+
+
+def test_without_arriving_the_problem_is_todays() -> None:
+    model, tree, resident = two_children()
+    accept = np.array([0.6, 0.5])
+    plain = model.problem(tree, accept, resident, 1e-3)
+    assert not plain.wait.any()
+    same = model.problem(tree, accept, resident, 1e-3, arriving=arriving_for(resident))
+    assert np.array_equal(same.resident, plain.resident) and not same.wait.any()
+    for mask in ([False, False], [True, False], [True, True]):
+        assert evaluate(same, np.array(mask)) == evaluate(plain, np.array(mask))
+    # cache-oblivious: every expert a miss, in flight or not
+    oblivious = UnionCostModel(constants=C, cache_aware=False)
+    oblivious.bind(model.spec)
+    p = oblivious.problem(tree, accept, resident, 0.0, arriving=arriving_for(resident, e2=0.0))
+    assert not p.resident.any() and not p.wait.any()
+
+
+def test_bad_arriving_is_refused_naming_it() -> None:
+    model, tree, resident = two_children()
+    with pytest.raises(ValueError, match="arriving"):
+        model.problem(tree, np.zeros(2), resident, 0.0, arriving=np.zeros((3, 4)))
+    with pytest.raises(ValueError, match="arriving"):
+        model.problem(tree, np.zeros(2), resident, 0.0, arriving=np.full((2, 4), np.nan))
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_exact_search_with_waits_matches_brute_force(seed: int) -> None:
+    """The exact search charges c_hit + wait for an item in flight, as `evaluate` defines it."""
+    rng = np.random.default_rng(1000 + seed)
+    base = random_small_problem(rng, accept_grid=bool(seed % 3 == 0))
+    resident = rng.random(base.resident.shape) < 0.6
+    wait = np.where(rng.random(base.resident.shape) < 0.5, rng.random(base.resident.shape), 0.0)
+    problem = dataclasses.replace(base, resident=resident,
+                                  wait=wait * (base.c_miss - base.c_hit if base.c_miss > base.c_hit else base.c_miss))
+    result = solve(problem)
+    bf = brute_force(problem)
+    n_exp, seconds, rho = evaluate(problem, result.mask)
+    assert rho >= bf.best_rho * (1.0 - 1e-9), (rho, bf.best_rho)
+    assert result.time_cost == seconds  # the same sum in the same order, to the last bit
+    assert result.n_expected == pytest.approx(n_exp, rel=1e-12)
+    greedy_mask = greedy(problem)
+    assert evaluate(problem, greedy_mask)[2] <= bf.best_rho * (1.0 + 1e-9)
+
+
+def test_waits_only_count_for_usable_experts() -> None:
+    """A wait given for an expert that is not resident is ignored: it is a miss."""
+    base = random_small_problem(np.random.default_rng(7), n_nodes=4, layers=2, experts=4, top_k=2)
+    resident = np.zeros((2, 4), dtype=bool)
+    waited = dataclasses.replace(base, resident=resident, wait=np.ones((2, 4)))
+    plain = dataclasses.replace(base, resident=resident)
+    assert not waited.wait.any()
+    mask = np.ones(base.n_nodes, dtype=bool)
+    assert evaluate(waited, mask) == evaluate(plain, mask)
