@@ -27,6 +27,14 @@ to wait behind; ``"events"`` synchronises the same way but reports CUDA-event ti
 bound) for production runs that must avoid a GPU-to-host sync per layer. On CPU every copy is
 synchronous and ``seconds`` is its wall time.
 
+Asynchronous copies: ``issue`` enqueues a batch and returns a :class:`CopyTicket` at once; the
+caller waits on the ticket only just before it computes on those slots, so copies overlap compute.
+``copy`` is ``issue`` then ``wait``. On CUDA the ticket holds the copy stream's event and waiting
+makes the compute stream wait on it (with ``timing="none"`` nothing blocks the host; the measuring
+timings block on that one event, never on the device). The emulated link is one FIFO timeline: a
+transfer starts when it is issued or when the link frees up, whichever is later, and completes after
+its charge; waiting on it really waits (wall clock) until then, so overlap on a CPU is measured.
+
 Triton is imported only when a :class:`TritonCopyEngine` is constructed, so importing specfit never
 imports triton.
 """
@@ -35,7 +43,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
@@ -55,12 +63,59 @@ class CopyRecord:
     seconds: float  # time charged: measured wall time, or the emulated link's charge
 
 
+def _no_wait() -> float:
+    return 0.0
+
+
+@dataclass(eq=False)
+class CopyTicket:
+    """An issued copy: what it moves, its charge, when it completes, and how to wait for it.
+
+    ``seconds``: the charge (emulated link), the measured copy time (CPU; CUDA once waited with a
+    measuring timing) or the enqueue time (CUDA, ``timing="none"``). ``ready_at``: the
+    ``time.perf_counter()`` value (the engine's clock) at which the copy completes on the emulated
+    link; for a synchronous copy, the time the call returned; on CUDA, the issue time (the device
+    decides). ``wait()`` returns the seconds the caller blocked; waiting twice blocks once.
+    """
+
+    experts: int
+    bytes: int
+    seconds: float
+    ready_at: float
+    _wait: Callable[[], float] = field(default=_no_wait, repr=False)
+    _remaining: Callable[[], float] | None = field(default=None, repr=False)
+    event: Any = None  # the copy stream's CUDA event (None off CUDA)
+    waited: bool = False
+
+    def wait(self) -> float:
+        """Block (or make the compute stream wait) until the copy has landed; seconds blocked."""
+        if self.waited:
+            return 0.0
+        self.waited = True
+        return self._wait()
+
+    def remaining(self) -> float:
+        """Seconds until the copy lands, as far as the host knows (0.0 once it has)."""
+        if self.waited:
+            return 0.0
+        if self._remaining is not None:
+            return self._remaining()
+        return 0.0
+
+    def record(self) -> CopyRecord:
+        return CopyRecord(self.experts, self.bytes, self.seconds)
+
+
 @runtime_checkable
 class CopyEngine(Protocol):
     """Moves ``store[src_ids]`` into ``slots[dst_slots]`` in one batched call."""
 
     name: str
     emulated: bool  # True when `seconds` is a modelled charge, not a measured transfer
+
+    def issue(
+        self, store: torch.Tensor, src_ids: torch.Tensor, slots: torch.Tensor, dst_slots: torch.Tensor
+    ) -> CopyTicket: ...
 
     def copy(
         self, store: torch.Tensor, src_ids: torch.Tensor, slots: torch.Tensor, dst_slots: torch.Tensor
@@ -193,6 +248,52 @@ class _StreamedCopy:
                 return start.elapsed_time(done) / 1e3
             return time.perf_counter() - t0
 
+    def _issue(self, slots: torch.Tensor, enqueue: Callable[[], None], experts: int, nbytes: int) -> CopyTicket:
+        """Enqueue a copy and return its ticket (see the module docstring).
+
+        Off CUDA the copy runs now and the ticket is already complete. On CUDA the copy stream first
+        waits for the compute stream (queued compute may still read a slot being overwritten), the
+        copy's event is recorded, and ``wait()`` makes the compute stream wait on that event; the
+        measuring timings then also block the host on that event alone (not the device).
+        """
+        t0 = time.perf_counter()
+        if not slots.is_cuda:
+            enqueue()
+            t1 = time.perf_counter()
+            return CopyTicket(experts, nbytes, t1 - t0, t1, waited=False)
+        dev = slots.device
+        with torch.cuda.device(dev):
+            compute = torch.cuda.current_stream(dev)
+            stream = self.copy_stream_for(dev)
+            if self.order_after_compute:
+                stream.wait_stream(compute)
+            use_events = self.timing == "events"
+            start = torch.cuda.Event(enable_timing=True) if use_events else None
+            done = torch.cuda.Event(enable_timing=use_events)
+            with torch.cuda.stream(stream):
+                if start is not None:
+                    start.record(stream)
+                enqueue()
+                done.record(stream)
+        ticket = CopyTicket(experts, nbytes, time.perf_counter() - t0, t0, event=done)
+        timing = self.timing
+
+        def wait() -> float:
+            torch.cuda.current_stream(dev).wait_event(done)  # compute never reads a slot before it lands
+            if timing == "none":
+                return 0.0
+            t_wait = time.perf_counter()
+            done.synchronize()
+            now = time.perf_counter()
+            ticket.seconds = start.elapsed_time(done) / 1e3 if start is not None else now - t0
+            return now - t_wait
+
+        def remaining() -> float:
+            return 0.0 if done.query() else max(ticket.seconds, 1e-6)
+
+        ticket._wait, ticket._remaining = wait, remaining
+        return ticket
+
     def _settings(self) -> dict:
         return {
             "timing": self.timing,
@@ -228,10 +329,23 @@ class TorchCopyEngine(_StreamedCopy):
     def copy(
         self, store: torch.Tensor, src_ids: torch.Tensor, slots: torch.Tensor, dst_slots: torch.Tensor
     ) -> CopyRecord:
+        n, nbytes, enqueue = self._prepare(store, src_ids, slots, dst_slots)
+        return CopyRecord(n, nbytes, self._run(slots, enqueue) if n else 0.0)
+
+    def issue(
+        self, store: torch.Tensor, src_ids: torch.Tensor, slots: torch.Tensor, dst_slots: torch.Tensor
+    ) -> CopyTicket:
+        n, nbytes, enqueue = self._prepare(store, src_ids, slots, dst_slots)
+        if n == 0:
+            return CopyTicket(0, 0, 0.0, time.perf_counter())
+        return self._issue(slots, enqueue, n, nbytes)
+
+    def _prepare(self, store: torch.Tensor, src_ids: Any, slots: torch.Tensor,
+                 dst_slots: Any) -> tuple[int, int, Callable[[], None]]:
         src, dst = _check_args(store, src_ids, slots, dst_slots)
         n = src.numel()
         if n == 0:
-            return CopyRecord(0, 0, 0.0)
+            return 0, 0, lambda: None
 
         if store.device == slots.device:
             def enqueue() -> None:
@@ -244,8 +358,7 @@ class TorchCopyEngine(_StreamedCopy):
                 for s_i, d_i in pairs:
                     slots[d_i].copy_(store[s_i], non_blocking=True)
 
-        seconds = self._run(slots, enqueue)
-        return CopyRecord(n, n * store.shape[1] * store.element_size(), seconds)
+        return n, n * store.shape[1] * store.element_size(), enqueue
 
     def describe(self) -> dict:
         return {"name": self.name, "emulated": self.emulated, **self._settings()}
@@ -374,10 +487,23 @@ class TritonCopyEngine(_StreamedCopy):
     def copy(
         self, store: torch.Tensor, src_ids: torch.Tensor, slots: torch.Tensor, dst_slots: torch.Tensor
     ) -> CopyRecord:
+        n, nbytes, enqueue = self._prepare(store, src_ids, slots, dst_slots)
+        return CopyRecord(n, nbytes, self._run(slots, enqueue) if n else 0.0)
+
+    def issue(
+        self, store: torch.Tensor, src_ids: torch.Tensor, slots: torch.Tensor, dst_slots: torch.Tensor
+    ) -> CopyTicket:
+        n, nbytes, enqueue = self._prepare(store, src_ids, slots, dst_slots)
+        if n == 0:
+            return CopyTicket(0, 0, 0.0, time.perf_counter())
+        return self._issue(slots, enqueue, n, nbytes)
+
+    def _prepare(self, store: torch.Tensor, src_ids: Any, slots: torch.Tensor,
+                 dst_slots: Any) -> tuple[int, int, Callable[[], None]]:
         src, dst = _check_args(store, src_ids, slots, dst_slots)
         n = src.numel()
         if n == 0:
-            return CopyRecord(0, 0, 0.0)
+            return 0, 0, lambda: None
         if store.stride(1) != 1 or slots.stride(1) != 1:
             raise ValueError("TritonCopyEngine needs rows contiguous in memory (stride(1) == 1)")
         if slots.is_cuda:
@@ -416,8 +542,7 @@ class TritonCopyEngine(_StreamedCopy):
                 BLOCK=block, num_warps=num_warps,
             )
 
-        seconds = self._run(slots, enqueue)
-        return CopyRecord(n, n * store.shape[1] * store.element_size(), seconds)
+        return n, n * store.shape[1] * store.element_size(), enqueue
 
     def describe(self) -> dict:
         return {
@@ -489,14 +614,19 @@ def _wait_until(deadline: float, spin_s: float = 2e-4) -> None:
 
 
 class EmulatedLinkEngine:
-    """Charges each call ``latency + n * ref_expert_bytes / bandwidth`` of wall time.
+    """One FIFO link charging each transfer ``latency + n * ref_expert_bytes / bandwidth``.
 
-    The wrapped engine (torch by default) does the real data movement; this engine then waits until
-    the modelled time has passed since the call started, so a CPU run, where host and device are the
-    same RAM, pays the transfer time of the reference deployment. ``seconds`` in the record is the
-    charge, and ``emulated`` / ``describe()`` label results as emulated. If the real copy takes longer
-    than the charge, the call takes that long, but only the charge is reported. An empty batch
-    launches no transfer and is charged nothing.
+    The wrapped engine (torch by default) does the real data movement when the transfer is issued;
+    the link is a timeline: a transfer starts at ``max(issue time, link free)`` and completes
+    ``charge`` seconds later, and waiting on its ticket blocks (wall clock) until then. So a CPU run,
+    where host and device are the same RAM, pays the transfer time of the reference deployment,
+    and a transfer issued ahead of need overlaps compute exactly as far as the timeline allows.
+    ``seconds`` in the ticket and record is the charge; ``link_busy_seconds`` sums the charges.
+    An empty batch launches no transfer and is charged nothing.
+
+    ``clock`` (default ``time.perf_counter``) and ``wait_until(deadline)`` (default: sleep then
+    spin until the clock reaches ``deadline``) are attributes, so tests can replace them and check
+    schedules by hand.
     """
 
     name = "emulated"
@@ -512,6 +642,10 @@ class EmulatedLinkEngine:
         self.inner: CopyEngine = inner if inner is not None else TorchCopyEngine(device)
         self.link = link if link is not None else LinkSettings()
         self.bandwidth_gbps, self.latency_us, self.ref_expert_bytes = self.link.resolve()
+        self.clock: Callable[[], float] = time.perf_counter
+        self.wait_until: Callable[[float], None] = _wait_until
+        self.link_free_at = float("-inf")  # clock time at which the last issued transfer completes
+        self.link_busy_seconds = 0.0
 
     def charge_seconds(self, experts: int, expert_bytes: int) -> float:
         """Modelled time of one call moving ``experts`` experts of ``expert_bytes`` real bytes each."""
@@ -520,14 +654,37 @@ class EmulatedLinkEngine:
         per_expert = self.ref_expert_bytes if self.ref_expert_bytes is not None else expert_bytes
         return self.latency_us * 1e-6 + experts * per_expert / (self.bandwidth_gbps * 1e9)
 
+    def issue(
+        self, store: torch.Tensor, src_ids: torch.Tensor, slots: torch.Tensor, dst_slots: torch.Tensor
+    ) -> CopyTicket:
+        issued = self.clock()
+        inner = self.inner.issue(store, src_ids, slots, dst_slots)
+        if inner.experts == 0:
+            return CopyTicket(0, 0, 0.0, issued)
+        charge = self.charge_seconds(inner.experts, store.shape[1] * store.element_size())
+        start = max(issued, self.link_free_at)
+        done = start + charge
+        self.link_free_at = done
+        self.link_busy_seconds += charge
+        clock, wait_until = self.clock, self.wait_until
+
+        def wait() -> float:
+            inner.wait()
+            before = clock()
+            if before >= done:
+                return 0.0
+            wait_until(done)
+            return clock() - before
+
+        return CopyTicket(inner.experts, inner.bytes, charge, done, wait, lambda: max(done - clock(), 0.0),
+                          event=inner.event)
+
     def copy(
         self, store: torch.Tensor, src_ids: torch.Tensor, slots: torch.Tensor, dst_slots: torch.Tensor
     ) -> CopyRecord:
-        t0 = time.perf_counter()
-        rec = self.inner.copy(store, src_ids, slots, dst_slots)
-        charge = self.charge_seconds(rec.experts, store.shape[1] * store.element_size())
-        _wait_until(t0 + charge)
-        return CopyRecord(rec.experts, rec.bytes, charge)
+        ticket = self.issue(store, src_ids, slots, dst_slots)
+        ticket.wait()
+        return ticket.record()
 
     def describe(self) -> dict:
         return {

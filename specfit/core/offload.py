@@ -8,6 +8,12 @@ experts are copied in one batch by the copy engine, then computed by the expert 
 Outputs are reduced per token over its top-k in float32 in a fixed order and cast once, so the
 result does not depend on how rounds were split. Reading the routing is the layer's one host sync.
 
+Copies are asynchronous (:mod:`specfit.core.copy_engines`): each issued batch leaves a pending
+ticket on the slots it writes, and a layer waits only on the slots it is about to compute with,
+counting the blocked time as ``h2d_stall_seconds``. ``prefetch`` issues copies ahead of need
+through the policy's ``admit_prefetch``; an expert in flight, or admitted by the layer now
+computing, is protected from eviction by a prefetch.
+
 The experts' only host copy is a :class:`~specfit.core.expert_store.HostExpertStore`: given by the
 loader (the model's experts modules may then be meta tensors) or built from the modules, which
 frees their weights. When the policy preloads every expert of every layer (``cache=full``), the
@@ -17,8 +23,9 @@ host copy is dropped after the preload; on a CPU device the slots are the store'
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -33,7 +40,7 @@ from specfit.errors import ConfigError, ModelError, PluginError
 from specfit.interfaces.protocols import Admission
 
 if TYPE_CHECKING:
-    from specfit.core.copy_engines import CopyEngine
+    from specfit.core.copy_engines import CopyEngine, CopyTicket
     from specfit.interfaces.protocols import ExpertCache
 
 
@@ -49,6 +56,11 @@ class CacheStats:
     passes: int = 0
     union_sum: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per layer, summed over passes
     preload_bytes: int = 0
+    h2d_stall_seconds: float = 0.0  # time compute blocked waiting for copies
+    link_busy_seconds: float = 0.0  # transfer time the link spent (the charges on an emulated link)
+    prefetch_issued: int = 0  # experts copied by prefetch
+    prefetch_used: int = 0  # prefetched experts a pass then computed with before eviction
+    prefetch_wasted: int = 0  # prefetched experts evicted before any pass used them
 
     def copy(self) -> CacheStats:
         return dataclasses.replace(self, union_sum=self.union_sum.copy())
@@ -64,6 +76,11 @@ class CacheStats:
             passes=self.passes - earlier.passes,
             union_sum=self.union_sum - earlier.union_sum,
             preload_bytes=self.preload_bytes,
+            h2d_stall_seconds=self.h2d_stall_seconds - earlier.h2d_stall_seconds,
+            link_busy_seconds=self.link_busy_seconds - earlier.link_busy_seconds,
+            prefetch_issued=self.prefetch_issued - earlier.prefetch_issued,
+            prefetch_used=self.prefetch_used - earlier.prefetch_used,
+            prefetch_wasted=self.prefetch_wasted - earlier.prefetch_wasted,
         )
 
     def union_per_layer(self) -> np.ndarray:
@@ -140,6 +157,13 @@ class OffloadRuntime:
         self.slot_expert = np.full((spec.num_layers, self.slots_per_layer), -1, dtype=np.int64)
         self.stats = CacheStats(union_sum=np.zeros(spec.num_layers))
         self._routing: list[torch.Tensor | None] = [None] * spec.num_layers
+        # copies not yet waited on: {slot: ticket} per layer (a ticket may cover several slots)
+        self._pending: list[dict[int, CopyTicket]] = [{} for _ in range(spec.num_layers)]
+        # prefetched experts no pass has used yet: {slot: expert} per layer
+        self._prefetched: list[dict[int, int]] = [{} for _ in range(spec.num_layers)]
+        self._computing: tuple[int, frozenset[int]] = (-1, frozenset())  # layer now computing, admitted experts
+        self._listeners: list[Callable[[int, torch.Tensor], None]] = []
+        self._said_no_prefetch = False
         self.slots: list[torch.Tensor] = []
         self._views: list[SlotViews] = []
         self._preload(preload)
@@ -161,6 +185,12 @@ class OffloadRuntime:
         guard.call("cache", self.policy, "begin_pass")
         self.stats.passes += 1
         self._routing = [None] * self.spec.num_layers
+        self._computing = (-1, frozenset())
+
+    def add_layer_listener(self, fn: Callable[[int, torch.Tensor], None]) -> None:
+        """Call ``fn(layer, hidden)`` at the start of each MoE layer's expert compute, before its
+        routing is read (prefetchers look ahead from the hidden states there)."""
+        self._listeners.append(fn)
 
     def routing(self) -> np.ndarray:
         """Experts routed in the last pass: int [tokens, layers, top_k]."""
@@ -176,6 +206,8 @@ class OffloadRuntime:
         act_fn: nn.Module | None,
     ) -> torch.Tensor:
         spec = self.spec
+        for listener in self._listeners:
+            listener(layer, hidden)
         tokens, k = top_k_index.shape
         flat = top_k_index.reshape(-1).to("cpu", torch.int64)  # the one host sync of the layer
         self._routing[layer] = flat.view(tokens, k)
@@ -187,10 +219,12 @@ class OffloadRuntime:
         out = torch.zeros(tokens * k, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
         slot_of = np.full(spec.num_experts, -1, dtype=np.int64)
         for admission in admission_rounds(self.policy, self.slot_expert, layer, needed):
+            self._computing = (layer, frozenset(admission.slots))
             if admission.loads:
-                self._count(self._copy(layer, admission.loads))
+                self._issue(layer, admission.loads)
             self.stats.misses += len(admission.loads)
             self.stats.hits += len(admission.slots) - len(admission.loads)
+            self._wait_for(layer, admission.slots)
             slot_of[:] = -1
             slot_of[list(admission.slots)] = list(admission.slots.values())
             plan = self.compute.plan(slot_of[routed], self.slots_per_layer, hidden.device)
@@ -198,22 +232,126 @@ class OffloadRuntime:
         # float32 sum over each token's top-k, in a fixed order, then one rounding to the hidden dtype
         return out.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
 
+    # ------------------------------------------------------------------ prefetch
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> int:
+        """Copy ``experts`` of ``layer`` ahead of need, as far as the policy admits them; returns
+        the experts actually issued.
+
+        Experts already in a slot are skipped; the rest go to the policy's ``admit_prefetch`` with
+        the protected experts (in flight, or admitted by the layer now computing), which it must not
+        evict: the admission is checked like ``admit``'s, a violation is a PluginError naming the
+        cache, and nothing is copied then.
+        """
+        spec = self.spec
+        if not 0 <= int(layer) < spec.num_layers:
+            raise ValueError(f"prefetch: layer {layer} outside 0..{spec.num_layers - 1}")
+        layer = int(layer)
+        held = set(self.slot_expert[layer].tolist())
+        candidates: list[int] = []
+        for e in experts:
+            e = int(e)
+            if not 0 <= e < spec.num_experts:
+                raise ValueError(f"prefetch: expert {e} outside 0..{spec.num_experts - 1}")
+            if e not in held and e not in candidates:
+                candidates.append(e)
+        if not candidates or self.store.layers[layer] is None:
+            return 0
+        hook = getattr(self.policy, "admit_prefetch", None)
+        if hook is None:
+            self._cannot_prefetch()
+            return 0
+        protected = self._protected(layer)
+        admission = guard.call("cache", self.policy, "admit_prefetch", layer, list(candidates), protected)
+        _check_prefetch(self.policy, self.slot_expert[layer], layer, candidates, protected, admission)
+        if not admission.loads:
+            return 0
+        for expert, slot in admission.loads:
+            self.slot_expert[layer, slot] = expert
+        self._issue(layer, admission.loads, prefetch=True)
+        self.stats.prefetch_issued += len(admission.loads)
+        return len(admission.loads)
+
+    def arriving(self) -> np.ndarray:
+        """float [layers, experts]: seconds until each expert is usable: 0.0 resident and arrived,
+        > 0 in flight, inf absent (for the cost model)."""
+        spec = self.spec
+        out = np.full((spec.num_layers, spec.num_experts), np.inf)
+        resident = self.resident()
+        for layer in range(spec.num_layers):
+            pending = self._pending[layer]
+            for slot, expert in enumerate(self.slot_expert[layer].tolist()):
+                if expert < 0 or not resident[layer, expert]:
+                    continue
+                ticket = pending.get(slot)
+                out[layer, expert] = ticket.remaining() if ticket is not None else 0.0
+        return out
+
+    def _protected(self, layer: int) -> frozenset[int]:
+        """Experts of ``layer`` a prefetch must not evict: in flight, or admitted by the layer now
+        computing."""
+        in_flight = {int(self.slot_expert[layer, slot]) for slot, t in self._pending[layer].items() if not t.waited}
+        computing, admitted = self._computing
+        return frozenset(in_flight | (set(admitted) if computing == layer else set()))
+
+    def _cannot_prefetch(self) -> None:
+        if not self._said_no_prefetch:
+            self._said_no_prefetch = True
+            print(f"specfit: note: cache '{guard.plugin_name(self.policy)}' cannot prefetch; prefetches are "
+                  "ignored", file=sys.stderr)
+
     # ------------------------------------------------------------------ copies
 
-    def _copy(self, layer: int, loads: Sequence[tuple[int, int]]):  # noqa: ANN202 - a CopyRecord
-        """Copy (expert, slot) pairs of one layer in one engine call."""
+    def _issue(self, layer: int, loads: Sequence[tuple[int, int]], prefetch: bool = False,
+               count: bool = True) -> CopyTicket:
+        """Issue the copy of (expert, slot) pairs of one layer in one engine call; the slots are
+        pending until waited on. A load into a slot whose prefetched expert was never used counts
+        that prefetch as wasted."""
         host = self.store.layers[layer]
         if host is None:
             raise guard.violation("cache", self.policy, "admit", f"layer {layer}: loads {len(loads)} experts after "
                                   f"preloading every expert (the host copy was dropped); a full cache never loads")
+        prefetched, pending = self._prefetched[layer], self._pending[layer]
+        for expert, slot in loads:
+            if prefetched.pop(slot, expert) != expert:
+                self.stats.prefetch_wasted += 1
+            if prefetch:
+                prefetched[slot] = expert
         src = torch.tensor([e for e, _ in loads], dtype=torch.int64)
         dst = torch.tensor([s for _, s in loads], dtype=torch.int64)
-        return self.copy_engine.copy(host, src, self.slots[layer], dst)
-
-    def _count(self, record) -> None:  # noqa: ANN001
-        self.stats.h2d_bytes += record.bytes
-        self.stats.h2d_seconds += record.seconds
+        ticket = self.copy_engine.issue(host, src, self.slots[layer], dst)
+        for _, slot in loads:
+            pending[slot] = ticket  # same copy stream / FIFO link: it lands after any earlier copy
+        if not count:
+            return ticket
+        self.stats.h2d_bytes += ticket.bytes
+        self.stats.h2d_seconds += ticket.seconds
+        self.stats.link_busy_seconds += ticket.seconds
         self.stats.copy_calls += 1
+        return ticket
+
+    def _wait_for(self, layer: int, admitted: dict[int, int]) -> None:
+        """Wait for the pending copies of the slots about to be computed on; count used prefetches."""
+        pending, prefetched = self._pending[layer], self._prefetched[layer]
+        for expert, slot in admitted.items():
+            if prefetched.get(slot) == expert:
+                del prefetched[slot]
+                self.stats.prefetch_used += 1
+            ticket = pending.pop(slot, None)
+            if ticket is not None:
+                measured = ticket.seconds
+                self.stats.h2d_stall_seconds += ticket.wait()
+                if ticket.seconds != measured:  # CUDA: the measured copy time replaces the enqueue time
+                    self.stats.h2d_seconds += ticket.seconds - measured
+                    self.stats.link_busy_seconds += ticket.seconds - measured
+
+    def _copy(self, layer: int, loads: Sequence[tuple[int, int]]) -> None:
+        """Copy (expert, slot) pairs of one layer and wait for them (the preload: counted as
+        ``preload_bytes``, not as copies)."""
+        ticket = self._issue(layer, loads, count=False)
+        for _, slot in loads:
+            self._pending[layer].pop(slot, None)
+        ticket.wait()
 
     def _preload(self, preload: dict[int, list[tuple[int, int]]]) -> None:
         """Allocate the slots and copy the policy's preload, layer by layer.
@@ -308,6 +446,36 @@ def admission_rounds(policy: ExpertCache, slot_expert: np.ndarray, layer: int, n
             slot_expert[layer, slot] = expert
         yield admission
         remaining = [e for e in remaining if e not in admission.slots]
+
+
+def _check_prefetch(policy: ExpertCache, slots: np.ndarray, layer: int, candidates: list[int],
+                    protected: frozenset[int], admission: Any) -> None:
+    """A prefetch admission the runtime may copy: loads of wanted candidates into distinct slots in
+    range, never over a protected expert (in flight or needed by the layer now computing)."""
+    def bad(message: str) -> PluginError:
+        return guard.violation("cache", policy, "admit_prefetch", f"layer {layer}: {message}")
+
+    chosen_slots = getattr(admission, "slots", None)
+    loads = getattr(admission, "loads", None)
+    if not isinstance(chosen_slots, dict) or not isinstance(loads, (list, tuple)):
+        raise bad(f"returned {type(admission).__name__}, expected an Admission(slots: dict, loads: list)")
+    try:
+        loaded = dict(loads)
+    except (TypeError, ValueError):
+        raise bad("loads must be (expert, slot) pairs") from None
+    if len(loaded) != len(loads) or len(set(loaded.values())) != len(loads):
+        raise bad("lists an expert twice, or two experts in one slot, in its loads")
+    if loaded != chosen_slots:
+        raise bad("slots and loads differ: a prefetch admits exactly the experts it loads")
+    wanted = set(candidates)
+    for expert, slot in loaded.items():
+        if expert not in wanted:
+            raise bad(f"prefetches expert {expert!r:.20}, which was not a candidate")
+        if isinstance(slot, (bool, np.bool_)) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < len(slots):
+            raise bad(f"puts expert {expert} in slot {slot!r:.20}, outside 0..{len(slots) - 1}")
+        if int(slots[slot]) in protected:
+            raise bad(f"evicts expert {int(slots[slot])} from slot {slot}, which is in flight or needed by the "
+                      "layer now computing")
 
 
 def _check_admission(policy: ExpertCache, slots: np.ndarray, layer: int, wanted: list[int], admission: Admission) -> None:

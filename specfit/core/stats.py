@@ -85,6 +85,12 @@ class RunStats:
             "expert_cache_hit_rate": cache.hits / max(cache.hits + cache.misses, 1) if cache else 0.0,
             "h2d_bytes": cache.h2d_bytes if cache else 0,
             "h2d_seconds": cache.h2d_seconds if cache else 0.0,
+            # the pipelined runtime: time compute waited on copies, the link's transfer time, prefetches
+            "h2d_stall_seconds": cache.h2d_stall_seconds if cache else 0.0,
+            "link_busy_seconds": cache.link_busy_seconds if cache else 0.0,
+            "prefetch_issued": cache.prefetch_issued if cache else 0,
+            "prefetch_used": cache.prefetch_used if cache else 0,
+            "prefetch_wasted": cache.prefetch_wasted if cache else 0,
             "experts_per_layer_union": float(union.mean()) if union.size else 0.0,
             "experts_per_layer_union_by_layer": [round(float(u), 3) for u in union],
             "draft_seconds": sum(c.draft_seconds for c in cycles),

@@ -37,5 +37,9 @@ class FullCache(ExpertCacheBase):
     def admit(self, layer: int, wanted: Sequence[int]) -> Admission:
         return Admission({e: e for e in wanted}, [])
 
+    def admit_prefetch(self, layer: int, candidates: list[int], protected: frozenset[int]) -> Admission:
+        """Every expert is resident: there is never a candidate, nothing to copy."""
+        return Admission({}, [])
+
     def resident(self) -> np.ndarray:
         return np.ones((self.spec.num_layers, self.spec.num_experts), dtype=bool)

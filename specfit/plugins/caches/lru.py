@@ -59,6 +59,28 @@ class LRUCache(ExpertCacheBase):
             loads.append((e, slot))
         return Admission(admitted, loads)
 
+    def admit_prefetch(self, layer: int, candidates: list[int], protected: frozenset[int]) -> Admission:
+        """Prefetched experts go in at the most-recently-used end (they are expected soon), into a free
+        slot or over the least recently used unprotected expert; a candidate with no such slot is
+        dropped, as are all after it (they are ranked lower)."""
+        lru, free = self._lru[layer], self._free[layer]
+        loads: list[tuple[int, int]] = []
+        admitted: set[int] = set()
+        for e in candidates:
+            if e in lru:
+                continue
+            if free:
+                slot = free.pop()
+            else:
+                victim = next((v for v in lru if v not in protected and v not in admitted), None)
+                if victim is None:
+                    break
+                slot = lru.pop(victim)
+            lru[e] = slot
+            admitted.add(e)
+            loads.append((e, slot))
+        return Admission(dict(loads), loads)
+
     def resident(self) -> np.ndarray:
         mask = np.zeros((self.spec.num_layers, self.spec.num_experts), dtype=bool)
         for layer, lru in enumerate(self._lru):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -35,6 +36,14 @@ class NoCache(ExpertCacheBase):
         # Within a pass each expert is admitted once, so scratch slots can be reused freely.
         chunk = list(wanted)[: self.capacity]
         return Admission({e: slot for slot, e in enumerate(chunk)}, [(e, slot) for slot, e in enumerate(chunk)])
+
+    def admit_prefetch(self, layer: int, candidates: list[int], protected: frozenset[int]) -> Admission:
+        """Nothing outlives a pass here, so a prefetch has nowhere to land: say so once, no error."""
+        if not getattr(self, "_said", False):
+            self._said = True
+            print("specfit: note: cache 'none' keeps no expert between passes, so it cannot prefetch; "
+                  "prefetches are ignored (use cache=lru)", file=sys.stderr)
+        return Admission({}, [])
 
     def resident(self) -> np.ndarray:
         return np.zeros((self.spec.num_layers, self.spec.num_experts), dtype=bool)
