@@ -117,7 +117,8 @@ class CostModelBase(ABC):
 
 class ExpertCacheBase(ABC):
     """Required: ``bind(spec) -> slots per layer``, ``admit(layer, wanted)``, ``resident()``.
-    Defaults: ``preload()`` copies nothing ahead, ``begin_pass()`` does nothing."""
+    Defaults: ``preload()`` copies nothing ahead, ``begin_pass()`` does nothing,
+    ``admit_prefetch()`` admits nothing (the cache cannot prefetch)."""
 
     name: ClassVar[str]
 
@@ -138,6 +139,9 @@ class ExpertCacheBase(ABC):
     @abstractmethod
     def resident(self) -> np.ndarray:
         ...
+
+    def admit_prefetch(self, layer: int, candidates: list[int], protected: frozenset[int]) -> Admission:
+        return Admission({}, [])
 
 
 class ExpertPredictorBase(ABC):

@@ -60,6 +60,15 @@ class ExpertCache(Protocol):
     so a policy may admit fewer experts than asked (when the union exceeds its slots) but at
     least one, and must never evict an expert it admitted in the same round.
     Optional (defaults in ``ExpertCacheBase``): ``preload``, ``begin_pass``.
+
+    Optional, and looked up only when a prefetcher asks (so a cache without it still registers):
+    ``admit_prefetch(layer, candidates: list[int], protected: frozenset[int]) -> Admission`` admits
+    some of ``candidates`` (experts of ``layer`` in no slot, best first) to be copied ahead of need;
+    ``slots`` and ``loads`` list the same (expert, slot) pairs. It is told this is a prefetch, so it
+    may rank them differently (LRU puts them at the most-recently-used end); it must never evict an
+    expert in ``protected`` (in flight, or needed by the layer now computing) and should drop a
+    candidate rather than do so. The runtime checks this. ``ExpertCacheBase``'s default admits
+    nothing (the cache cannot prefetch).
     """
 
     name: ClassVar[str]
@@ -269,6 +278,34 @@ class ExpertPredictor(Protocol):
 
     def observe(self, tokens: Sequence[int], routing: np.ndarray) -> None:
         """Actual routing of the prompt (after prefill) and of verified tokens: int [tokens, layers, top_k]."""
+
+
+# --------------------------------------------------------------------------- prefetchers
+
+
+@runtime_checkable
+class Prefetcher(Protocol):
+    """Issues expert copies ahead of need, so transfers overlap drafting and compute.
+
+    ``bind`` hands it the target and a :class:`specfit.core.prefetch.PrefetchSink`; it prefetches
+    only through ``sink.prefetch(layer, experts)`` (checked: a layer or expert out of range is a
+    PluginError naming the prefetcher), from ``after_level`` during drafting or from hooks it sets
+    on the target's layers in ``bind`` (live runs only). The cache policy decides what is admitted
+    (``ExpertCache.admit_prefetch``); a prefetch never changes the output. Optional (defaults in
+    ``PrefetcherBase``): ``bind`` (keeps the sink), ``after_level`` (nothing).
+    """
+
+    name: ClassVar[str]
+
+    def bind(self, target: Any, sink: Any) -> None:
+        """Attach to the target (live: :class:`specfit.core.target.Target`; replay: a stand-in with
+        ``runtime.spec`` and no passes) and keep ``sink`` to prefetch through."""
+
+    def after_level(self, tree: DraftTree, predicted: Sequence[int], resident: np.ndarray) -> None:
+        """After each draft level (predictor and selector have run): ``predicted`` are the nodes the
+        selector would verify now (its current best subtree; their experts are in ``tree.experts``
+        and the root's in ``tree.root_experts`` when a predictor is configured), ``resident`` the
+        cache's residency (bool [layers, experts])."""
 
 
 KINDS: dict[str, type] = {
