@@ -44,6 +44,10 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
         parts[kind] = plugins[kind].create(node) if node is not None else None
     parts.update(default_parts(**{k: parts[k] for k in DEFAULT_PARTS}))
     attach_acceptance(parts["selector"], cfg.get("acceptance"))  # the acceptance group, for cost-aware selectors
+    prefetch_cfg = cfg.get("prefetch")  # none (the default) builds no prefetcher: runs stay as they were
+    prefetcher = plugins["prefetch"].create(prefetch_cfg) if prefetch_cfg is not None else None
+    if prefetcher is not None and prefetcher.name == "none":
+        prefetcher = None
     loaded = load_target(OmegaConf.to_object(cfg.model))
     if loaded.tokenizer is None:
         _check_prompts_are_ids(cfg)
@@ -63,6 +67,7 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
         info={"model": loaded.source, "draft_head": cfg.model.get("draft_head")},
         expert_store=loaded.expert_store,  # a streamed checkpoint's experts: their only host copy
         numerics=cfg.model.numerics,
+        prefetcher=prefetcher,
         **parts,
     )
     for prompt in check_prompts:

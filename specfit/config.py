@@ -26,6 +26,7 @@ from specfit.interfaces.configs import (  # noqa: F401
     LinkConfig,
     PluginConfig,
     PredictorConfig,
+    PrefetcherConfig,
     SelectorConfig,
 )
 
@@ -118,6 +119,7 @@ class SpecfitConfig:
     cache: CacheConfig = MISSING
     predictor: PredictorConfig | None = None
     acceptance: AcceptanceConfig | None = None  # a_v for the cost-aware selectors; null: the selector's own (path_prob)
+    prefetch: PrefetcherConfig | None = None  # expert prefetch (none | lookahead | draft | auto); null: none
     workload: WorkloadConfig = MISSING
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prompt: str | None = None

@@ -37,6 +37,7 @@ BUILTIN_MODULES = {
     "specfit.builtin.caches": "specfit.plugins.caches",
     "specfit.builtin.predictors": "specfit.plugins.predictors",
     "specfit.builtin.acceptance": "specfit.plugins.acceptance",
+    "specfit.builtin.prefetchers": "specfit.plugins.prefetchers",
 }
 
 # kind -> name of the hook that registers it
@@ -47,6 +48,7 @@ HOOKS = {
     "cache": "register_expert_caches",
     "predictor": "register_predictors",
     "acceptance": "register_acceptance_estimators",
+    "prefetch": "register_prefetchers",
 }
 
 
@@ -86,7 +88,7 @@ def check_plugin_instance(kind: str, obj: Any) -> None:
 # kind -> the base class whose defaults supply every optional hook
 _BASE_NAMES = {"drafter": "DrafterBase", "selector": "SelectorBase", "cost_model": "CostModelBase",
                "cache": "ExpertCacheBase", "predictor": "ExpertPredictorBase",
-               "acceptance": "AcceptanceEstimatorBase"}
+               "acceptance": "AcceptanceEstimatorBase", "prefetch": "PrefetcherBase"}
 
 
 def _remedy(kind: str) -> str:

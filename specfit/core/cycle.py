@@ -116,6 +116,10 @@ class Cycle:
     accept_limit: int | None = None
     observers: Sequence[CycleObserver] = ()
     stop_token_ids: frozenset[int] | set[int] = field(default_factory=frozenset)
+    # the prefetcher and the sink it was bound with (specfit.core.prefetch): after_level runs after
+    # every draft level's selection; None: no prefetch during drafting
+    prefetcher: Any = None
+    sink: Any = None
 
     def run(self, root: int, sampler: Sampler, max_depth: int, max_nodes: int, room: int | None = None,
             max_commit: int | None = None) -> tuple[CycleRecord, list[int]]:
@@ -146,9 +150,13 @@ class Cycle:
                 max_depth=depth_limit,
                 max_nodes=max_nodes,
                 cost_model=self.cost_model,
+                arriving=arriving(verifier),
                 extra=verifier.extra,
             )
             selection = guard.check_selection(selector, tree, guard.call("selector", selector, "select", tree, ctx))
+            if self.prefetcher is not None:  # issue copies for the pass to come while drafting goes on
+                self.sink.at(ctx.draft_seconds)
+                self.sink.call("after_level", tree, list(selection.nodes), ctx.resident)
             spent = verifier.now() - t_sel
             select_seconds += spent
             overhead += spent
@@ -200,6 +208,8 @@ class Cycle:
         )
         if self.cost_model is not None and verifier.measured:  # learns from measured cycles only
             guard.call("cost_model", self.cost_model, "observe", record)
+        if self.sink is not None and verifier.measured:  # a live sink learns a layer's compute time
+            self.sink.observe(record.verify_seconds, record.h2d_seconds, record.verified + 1)
         report_time(selector, record.levels > 0, record.committed, record.total_seconds)
         if self.observers:
             trace = CycleTrace(tree, block, verifier.argmax(), verdict.routing, path, acc.bonus, level_seconds, record)
@@ -230,6 +240,13 @@ def check_parts(parts: dict[str, Any], context: str = "") -> None:
         if parts.get(needed) is None:
             raise ConfigError(f"selector={selector.name} needs a {needed}: set {needed}=..."
                               f" (e.g. {'cost_model=union' if needed == 'cost_model' else 'predictor=history'}){context}")
+
+
+def arriving(verifier: Any) -> np.ndarray | None:
+    """Seconds until each expert is usable (the runtime's or a replay's modelled link), for the cost
+    model; None when the verifier cannot tell."""
+    fn = getattr(verifier, "arriving", None)
+    return fn() if fn is not None else None
 
 
 def should_draft(selector: Any) -> bool:

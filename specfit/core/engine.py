@@ -28,7 +28,8 @@ from specfit.core.stats import CycleRecord, RunStats
 from specfit.core.target import PassOutput, Target
 from specfit.core.tree import DraftTree, VerifyBlock
 from specfit.errors import ConfigError
-from specfit.interfaces import CostModel, Drafter, ExpertCache, ExpertPredictor, Selector
+from specfit.core.prefetch import LiveSink
+from specfit.interfaces import CostModel, Drafter, ExpertCache, ExpertPredictor, Prefetcher, Selector
 from specfit.validation import check_engine_args, device_arg, integer, token_ids
 
 
@@ -78,6 +79,7 @@ class Engine:
         expert_store: HostExpertStore | None = None,
         expert_compute: str = "auto",
         numerics: str = "exact",
+        prefetcher: Prefetcher | None = None,
     ) -> None:
         check_engine_args(model, max_new_tokens, sampling)
         check_numerics(numerics)
@@ -114,6 +116,12 @@ class Engine:
             guard.call("cost_model", cost_model, "bind", self.spec)
         if predictor is not None:
             guard.call("predictor", predictor, "bind", self.target)
+        self.prefetcher = prefetcher
+        self.prefetch_sink: LiveSink | None = None
+        if prefetcher is not None:  # bound with a live sink: its copies go to the runtime, checked
+            check_parts({"prefetch": prefetcher})
+            self.prefetch_sink = LiveSink(prefetcher, self.runtime, cost_model)
+            self.prefetch_sink.call("bind", self.target, self.prefetch_sink)
         self.sampling = sampling or SamplingParams()
         self.max_new_tokens = max_new_tokens
         # prompt + output never exceed this (None: the model states no limit)
@@ -125,6 +133,7 @@ class Engine:
             "drafter": self.drafter.name,
             "selector": self.selector.name,
             "cache": self.runtime.policy.name,
+            "prefetch": prefetcher.name if prefetcher is not None else "none",
             "cache_slots_per_layer": self.runtime.slots_per_layer,
             "copy_engine": self.copy_engine.describe(),
             "h2d_emulated": bool(self.copy_engine.emulated),
@@ -162,7 +171,7 @@ class Engine:
         if selector is not self.selector or predictor is not self.predictor:  # checked as the engine's own are
             check_parts({"selector": selector, "cost_model": self.cost_model, "predictor": predictor})
         cycle = Cycle(LiveVerifier(self), self.spec, selector, predictor, self.cost_model, accept_limit,
-                      tuple(observers), self.stop_token_ids)
+                      tuple(observers), self.stop_token_ids, self.prefetcher, self.prefetch_sink)
         sampler = Sampler(sampling or self.sampling)
         stats = RunStats(prompt_tokens=len(ids), info=dict(self.info))
         out: list[int] = []
@@ -255,6 +264,11 @@ class LiveVerifier:
 
     def resident(self) -> np.ndarray:
         return self.runtime.resident()
+
+    def arriving(self) -> np.ndarray | None:
+        """Seconds until each expert is usable, where the runtime tracks copies in flight."""
+        fn = getattr(self.runtime, "arriving", None)
+        return fn() if fn is not None else None
 
     def verify(self, block: VerifyBlock) -> Verdict:
         before = self.runtime.stats.copy()

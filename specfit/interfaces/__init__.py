@@ -1,10 +1,11 @@
 """Everything a plug-in package needs, in one place (as an ``llm`` plug-in imports from ``llm``).
 
 - the contracts, one Protocol per kind: :class:`Drafter`, :class:`Selector`, :class:`CostModel`,
-  :class:`ExpertCache`, :class:`ExpertPredictor`, :class:`AcceptanceEstimator`;
+  :class:`ExpertCache`, :class:`ExpertPredictor`, :class:`AcceptanceEstimator`, :class:`Prefetcher`;
 - their base classes, with the optional hooks as documented no-ops: :class:`DrafterBase`, ...;
 - the base config of each kind (:class:`DrafterConfig`, :class:`SelectorConfig`,
-  :class:`CostModelConfig`, :class:`CacheConfig`, :class:`PredictorConfig`, :class:`AcceptanceConfig`);
+  :class:`CostModelConfig`, :class:`CacheConfig`, :class:`PredictorConfig`, :class:`AcceptanceConfig`,
+  :class:`PrefetcherConfig`);
 - what the hooks exchange: :class:`DraftTree`, :class:`Selection`, :class:`SelectionContext`
   (and :data:`ACCEPTED_KEY`, a key of its ``extra``), :class:`Admission`;
 - the ``hookimpl`` marker;
@@ -21,6 +22,7 @@ from specfit.interfaces.bases import (
     DrafterBase,
     ExpertCacheBase,
     ExpertPredictorBase,
+    PrefetcherBase,
     SelectorBase,
 )
 from specfit.interfaces.configs import (
@@ -33,6 +35,7 @@ from specfit.interfaces.configs import (
     LinkConfig,
     PluginConfig,
     PredictorConfig,
+    PrefetcherConfig,
     SelectorConfig,
 )
 from specfit.interfaces.hookspecs import hookimpl, hookspec
@@ -46,6 +49,7 @@ from specfit.interfaces.protocols import (
     Drafter,
     ExpertCache,
     ExpertPredictor,
+    Prefetcher,
     Selection,
     SelectionContext,
     Selector,
@@ -86,6 +90,9 @@ __all__ = [
     "MoESpec",
     "PluginConfig",
     "PredictorConfig",
+    "Prefetcher",
+    "PrefetcherBase",
+    "PrefetcherConfig",
     "SearchProblem",
     "Selection",
     "SelectionContext",

@@ -181,3 +181,17 @@ class AcceptanceEstimatorBase(ABC):
 
     def load_state(self, state: dict[str, Any]) -> None:
         pass
+
+
+class PrefetcherBase(ABC):
+    """Nothing required. Defaults: ``bind`` keeps the target and the sink (``self.target``,
+    ``self.sink``), ``after_level`` prefetches nothing. A prefetcher of hidden states sets its
+    hooks in ``bind``; one of draft predictions writes ``after_level``."""
+
+    name: ClassVar[str]
+
+    def bind(self, target: Any, sink: Any) -> None:
+        self.target, self.sink = target, sink
+
+    def after_level(self, tree: DraftTree, predicted: Sequence[int], resident: np.ndarray) -> None:
+        pass

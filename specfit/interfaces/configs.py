@@ -54,6 +54,11 @@ class AcceptanceConfig(PluginConfig):
 
 
 @dataclass
+class PrefetcherConfig(PluginConfig):
+    pass
+
+
+@dataclass
 class LinkConfig:
     """Emulated host-to-device link (``cache.copy=emulated``): explicit values override the profile."""
 
@@ -105,6 +110,7 @@ PLUGIN_BASES: dict[str, type[PluginConfig]] = {
     "cache": CacheConfig,
     "predictor": PredictorConfig,
     "acceptance": AcceptanceConfig,
+    "prefetch": PrefetcherConfig,
 }
 
 # Config fields of a kind that something other than the plug-in reads (so the registry does not pass
@@ -116,4 +122,5 @@ CONSUMED_ELSEWHERE: dict[str, dict[str, str]] = {
     "cache": {"copy": "specfit.build (the copy engine)", "link": "specfit.build (the emulated link)"},
     "predictor": {},
     "acceptance": {},
+    "prefetch": {},
 }

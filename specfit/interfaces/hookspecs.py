@@ -56,5 +56,10 @@ def register_acceptance_estimators(register: Register) -> None:
 
 
 @hookspec
+def register_prefetchers(register: Register) -> None:
+    """Register expert prefetchers (see :class:`specfit.interfaces.Prefetcher`)."""
+
+
+@hookspec
 def register_configs(config_store) -> None:  # noqa: ANN001 - hydra's ConfigStore, imported lazily
     """Add extra Hydra config nodes (presets for the ``model`` or ``workload`` groups, say)."""

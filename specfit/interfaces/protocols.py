@@ -137,6 +137,9 @@ class SelectionContext:
     max_depth: int  # the drafter's depth limit (lower near the context limit)
     max_nodes: int  # the drafter's limit on verified nodes (EAGLE's total_tokens)
     cost_model: CostModel | None = None
+    # float [layers, experts]: seconds until each expert is usable (0.0 resident, > 0 in flight, inf
+    # absent), from the offload runtime (or a replay's modelled link); None where nothing is known
+    arriving: np.ndarray | None = None
     # what a particular run adds: a trace replay puts the path the target will accept under
     # ACCEPTED_KEY; a live run leaves it empty
     extra: dict[str, Any] = field(default_factory=dict)
@@ -315,6 +318,7 @@ KINDS: dict[str, type] = {
     "cache": ExpertCache,
     "predictor": ExpertPredictor,
     "acceptance": AcceptanceEstimator,
+    "prefetch": Prefetcher,
 }
 
 

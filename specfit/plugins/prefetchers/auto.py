@@ -1,0 +1,48 @@
+"""``auto``: the draft's look-ahead while drafting, hidden-state look-ahead in every pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from specfit.errors import ConfigError
+from specfit.interfaces import DraftTree, PrefetcherBase, PrefetcherConfig
+from specfit.plugins.prefetchers.draft import DraftPrefetcher
+from specfit.plugins.prefetchers.lookahead import SOURCES, LookaheadPrefetcher
+
+
+@dataclass
+class AutoPrefetcherConfig(PrefetcherConfig):
+    name: str = "auto"
+    source: str = "both"  # lookahead's: next | own | both
+    per_layer: int | None = None  # lookahead's cap per layer and pass
+    min_benefit: float = 0.2  # draft's: skip experts used with a lower probability
+    max_per_layer: int | None = None  # draft's cap per layer and level
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ConfigError(f"prefetch.source={self.source!r} must be one of {', '.join(SOURCES)}")
+        if not 0.0 <= self.min_benefit <= 1.0:
+            raise ConfigError(f"prefetch.min_benefit={self.min_benefit} must be in [0, 1]")
+
+
+class AutoPrefetcher(PrefetcherBase):
+    """``draft`` when drafting and ``lookahead`` always (in a replay: ``draft`` alone)."""
+
+    name = "auto"
+    Config = AutoPrefetcherConfig
+
+    def __init__(self, source: str = "both", per_layer: int | None = None, min_benefit: float = 0.2,
+                 max_per_layer: int | None = None) -> None:
+        self.lookahead = LookaheadPrefetcher(source=source, per_layer=per_layer)
+        self.draft = DraftPrefetcher(min_benefit=min_benefit, max_per_layer=max_per_layer)
+
+    def bind(self, target: Any, sink: Any) -> None:
+        super().bind(target, sink)
+        self.lookahead.bind(target, sink)
+        self.draft.bind(target, sink)
+
+    def after_level(self, tree: DraftTree, predicted: Sequence[int], resident: np.ndarray) -> None:
+        self.draft.after_level(tree, predicted, resident)

@@ -1,0 +1,116 @@
+"""Draft-time prefetch (SP-MoE, MoE-SpeQ): the draft is a look-ahead for the verification pass.
+
+After each draft level the predictor has said which experts every node will use; the selector has
+said which nodes it would verify now. An expert's benefit is the probability that the pass uses
+it: 1 - prod over nodes v of (1 - w_v [e in experts of v]), the root's weight 1 (it is always
+verified) and a node's its path probability (the chance the target gets that far, as EAGLE ranks).
+Experts resident or already on their way are skipped. The rest go to the link layer by layer (a
+FIFO link: the first layer's copies must land first), most beneficial first, as many as it can
+deliver before that layer runs: the drafting still to come (the last level's time) plus the pass's
+compute up to the layer, minus what the link has queued. The cache policy has the last word
+(``admit_prefetch``): it never evicts an expert in flight or in use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from specfit.errors import ConfigError
+from specfit.interfaces import DraftTree, PrefetcherBase, PrefetcherConfig
+
+
+@dataclass
+class DraftPrefetcherConfig(PrefetcherConfig):
+    name: str = "draft"
+    # skip experts the pass uses with a lower probability than this
+    min_benefit: float = 0.2
+    # the most copies per layer and level (null: bounded by the link and the cache alone)
+    max_per_layer: int | None = None
+    # with no selection yet (the selector chose the root alone): the nodes of highest path probability to consider
+    fallback_nodes: int = 4
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_benefit <= 1.0:
+            raise ConfigError(f"prefetch.min_benefit={self.min_benefit} must be in [0, 1]")
+        if self.max_per_layer is not None and self.max_per_layer < 1:
+            raise ConfigError(f"prefetch.max_per_layer={self.max_per_layer} must be >= 1 (or null)")
+        if self.fallback_nodes < 0:
+            raise ConfigError(f"prefetch.fallback_nodes={self.fallback_nodes} must be >= 0")
+
+
+class DraftPrefetcher(PrefetcherBase):
+    """Prefetches the experts the draft predicts for the nodes most likely to be verified."""
+
+    name = "draft"
+    Config = DraftPrefetcherConfig
+
+    def __init__(self, min_benefit: float = 0.2, max_per_layer: int | None = None, fallback_nodes: int = 4) -> None:
+        self.min_benefit, self.max_per_layer, self.fallback_nodes = min_benefit, max_per_layer, fallback_nodes
+        self._tree_id: int | None = None
+        self._last_level_at = 0.0
+        self._level_seconds = 0.0  # drafting time of one level (the last one measured)
+
+    def after_level(self, tree: DraftTree, predicted: Sequence[int], resident: np.ndarray) -> None:
+        plan = self.plan(tree, predicted, resident)
+        for layer, experts in plan:
+            self.sink.prefetch(layer, experts)
+
+    def plan(self, tree: DraftTree, predicted: Sequence[int], resident: np.ndarray) -> list[tuple[int, list[int]]]:
+        """[(layer, experts most beneficial first)], layers ascending, within the link's budget."""
+        sink = self.sink
+        now = sink.now()
+        if id(tree) != self._tree_id or tree.depth <= 1:  # a new cycle: the level's time from the last one
+            self._tree_id = id(tree)
+        else:
+            self._level_seconds = max(now - self._last_level_at, 0.0)
+        self._last_level_at = now
+        benefit = expected_use(tree, predicted, self.fallback_nodes, *resident.shape)
+        if benefit is None:
+            return []  # no predictor: nothing is known of the experts
+        arriving = sink.arriving()
+        present = resident if arriving is None else np.isfinite(arriving)
+        benefit = np.where(present, 0.0, benefit)
+        expert_s = sink.expert_seconds()
+        layer_s = sink.layer_seconds(len(predicted) + 1)
+        queued = sink.link_free_in()
+        lead = self._level_seconds  # the drafting still to come, if the selector goes on
+        plan, issued = [], 0
+        for layer in range(benefit.shape[0]):
+            order = np.argsort(-benefit[layer], kind="stable")
+            take = [int(e) for e in order if benefit[layer, e] >= self.min_benefit and benefit[layer, e] > 0]
+            if self.max_per_layer is not None:
+                take = take[: self.max_per_layer]
+            if expert_s > 0:  # what lands before this layer of the pass runs
+                deadline = lead + layer * layer_s
+                room = int(np.floor((deadline - queued) / expert_s + 1e-9)) - issued
+                take = take[: max(room, 0)]
+            if take:
+                plan.append((layer, take))
+                issued += len(take)
+        return plan
+
+
+def expected_use(tree: DraftTree, nodes: Sequence[int], fallback: int, layers: int, experts: int) -> np.ndarray | None:
+    """float [layers, experts]: the probability the verification of ``nodes`` (and the root) uses each
+    expert, from the predictor's experts and the path probabilities; None without predictions."""
+    if tree.root_experts is None and tree.experts is None:
+        return None
+    miss = np.ones((layers, experts))  # probability that no node uses the expert
+    if tree.root_experts is not None:
+        for layer, row in enumerate(np.asarray(tree.root_experts)[:layers]):
+            picked = row[row >= 0]
+            miss[layer, picked] = 0.0
+    chosen = list(nodes) if len(nodes) else (tree.top_by_path_prob(fallback) if fallback and len(tree) else [])
+    if tree.experts is not None and chosen:
+        rows = np.asarray([v for v in chosen if v < tree.experts.shape[0]], dtype=np.int64)
+        if rows.size:
+            weights = np.exp(np.asarray(tree.path_log_probs, dtype=np.float64)[rows])
+            predicted = np.asarray(tree.experts)[rows][:, :layers]  # [n, layers, k]
+            for w, node in zip(weights, predicted):
+                for layer, row in enumerate(node):
+                    picked = row[row >= 0]
+                    miss[layer, picked] *= 1.0 - w
+    return 1.0 - miss
