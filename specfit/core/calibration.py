@@ -8,6 +8,12 @@ seconds, drafting and selection seconds, total seconds. The model (docs/method.m
 Fitted in parts so each constant is identified: H2D seconds per missed expert (c_copy) from the
 copies, compute ``total - D - h2d = c0 + c_tok (n + 1) + c_hit (hits + misses)`` by non-negative
 least squares, then ``c_miss = c_hit + c_copy``; ``D = c_draft0 + c_level * levels``.
+
+Under prefetch (issue 14) copies overlap drafting and compute, so the H2D seconds a cycle issued
+are not what it waited. There the fit uses the overlap it observes: the seconds compute actually
+blocked on copies (``h2d_stall_seconds``) take the place of the H2D seconds, so c_copy becomes an
+effective miss cost, the visible stall per miss, and the compute fit is not charged for hidden
+transfers. Without prefetch the fit is as before.
 """
 
 from __future__ import annotations
@@ -70,13 +76,23 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
-def fit_constants(records: Sequence[CycleRecord], fallback_copy_seconds: float | None = None) -> CostConstants:
+def visible_copy_seconds(record: CycleRecord, overlap: bool) -> float:
+    """The copy seconds a cycle's time contains: its H2D seconds, or with ``overlap`` (copies
+    pipelined) the time compute blocked on them, where the record measured it."""
+    stall = getattr(record, "h2d_stall_seconds", None)
+    return float(stall) if overlap and stall is not None else record.h2d_seconds
+
+
+def fit_constants(records: Sequence[CycleRecord], fallback_copy_seconds: float | None = None,
+                  overlap: bool = False) -> CostConstants:
+    """The constants from measured cycles (module docstring); ``overlap``: the copies were
+    pipelined, fit the visible stall instead of the issued transfer time."""
     if len(records) < 4:
         raise ConfigError(f"calibration needs at least 4 measured cycles, got {len(records)}")
     n = np.array([r.verified for r in records], dtype=float)
     used = np.array([r.hits + r.misses for r in records], dtype=float)
     misses = np.array([r.misses for r in records], dtype=float)
-    h2d = np.array([r.h2d_seconds for r in records])
+    h2d = np.array([visible_copy_seconds(r, overlap) for r in records])
     draft = np.array([r.draft_seconds + r.select_seconds for r in records])
     total = np.array([r.total_seconds for r in records])
     compute = total - draft - h2d
@@ -123,6 +139,9 @@ def setup_fingerprint(engine: Any) -> dict[str, Any]:
         "cache": engine.runtime.policy.name,
         "slots_per_layer": engine.runtime.slots_per_layer,
         "copy_engine": engine.copy_engine.describe(),
+        # constants fitted under prefetch differ (the overlap); without it the fingerprint, and so
+        # the stored calibration's name, is as before
+        **({"prefetch": engine.info["prefetch"]} if engine.info.get("prefetch", "none") != "none" else {}),
         # drafting costs depend on the drafter's settings, not only on its kind
         "drafter": {"name": engine.drafter.name, "depth": engine.drafter.depth, "total_tokens": engine.drafter.total_tokens,
                     "top_k": getattr(engine.drafter, "top_k", None), "head": None if head == model_head else head,
@@ -221,7 +240,8 @@ def run_calibration(engine: Any, prompts: Sequence[Any], max_new_tokens: int, se
     cut = int(len(records) * (1 - held_out))
     fit = [records[i] for i in order[:cut]]
     test = [records[i] for i in order[cut:]]
-    constants = fit_constants(fit)
+    overlap = pipelined(engine)
+    constants = fit_constants(fit, overlap=overlap)
     errors = percentage_errors(constants, test)
     report = {
         "cycles_fit": len(fit),
@@ -229,4 +249,16 @@ def run_calibration(engine: Any, prompts: Sequence[Any], max_new_tokens: int, se
         "cycle_time_ape_median": float(np.median(errors)),
         "cycle_time_ape_p90": float(np.quantile(errors, 0.9)),
     }
+    if overlap:  # the share of the issued transfer time that compute and drafting hid
+        issued = sum(r.h2d_seconds for r in records)
+        visible = sum(visible_copy_seconds(r, True) for r in records)
+        report["copy_overlap"] = float(1.0 - visible / issued) if issued > 0 else 0.0
     return constants, report
+
+
+def pipelined(engine: Any) -> bool:
+    """Copies overlap other work and their stall is measured on the host: a prefetcher over the
+    emulated link (a CUDA engine waits on events without a host sync, so its stall is not seen)."""
+    prefetcher = getattr(engine, "prefetcher", None)
+    return (prefetcher is not None and getattr(prefetcher, "name", "none") != "none"
+            and bool(getattr(engine.copy_engine, "emulated", False)))

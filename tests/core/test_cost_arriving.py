@@ -135,3 +135,41 @@ def test_waits_only_count_for_usable_experts() -> None:
     assert not waited.wait.any()
     mask = np.ones(base.n_nodes, dtype=bool)
     assert evaluate(waited, mask) == evaluate(plain, mask)
+
+
+def cycles(stall_share: float | None, rng: np.random.Generator, n: int = 24) -> list:
+    """Cycles whose time is c0 + c_tok (n + 1) + c_hit used + (visible copy) + D, exactly, where a
+    miss issues 4 ms of transfer of which `stall_share` is visible (None: nothing measured, all
+    visible, as before issue 14)."""
+    from specfit.core.stats import CycleRecord
+
+    out = []
+    for _ in range(n):
+        verified, misses, hits = int(rng.integers(0, 8)), int(rng.integers(1, 20)), int(rng.integers(0, 20))
+        issued = 4e-3 * misses
+        visible = issued if stall_share is None else stall_share * issued
+        draft = 1e-3 + 2e-3 * (levels := int(rng.integers(0, 4)))
+        total = C.c0 + C.c_tok * (verified + 1) + C.c_hit * (hits + misses) + visible + draft
+        record = CycleRecord(drafted=verified, levels=levels, verified=verified, accepted=0, committed=1,
+                             draft_seconds=draft, select_seconds=0.0, verify_seconds=total - draft,
+                             h2d_seconds=issued, total_seconds=total, misses=misses, hits=hits, union=[])
+        if stall_share is not None:
+            record.h2d_stall_seconds = visible  # measured by the pipelined runtime
+        out.append(record)
+    return out
+
+
+def test_calibration_fits_the_overlap_it_observes() -> None:
+    from specfit.core.calibration import fit_constants
+
+    records = cycles(0.25, np.random.default_rng(3))
+    pipelined = fit_constants(records, overlap=True)
+    assert pipelined.c_hit == pytest.approx(C.c_hit, rel=1e-6)
+    assert pipelined.c0 == pytest.approx(C.c0, rel=1e-6)
+    assert pipelined.c_miss - pipelined.c_hit == pytest.approx(1e-3, rel=1e-6)  # a quarter of 4 ms visible
+    # the same cycles read as before issue 14: every issued second counted as waited
+    plain = fit_constants(records)
+    assert plain.c_miss - plain.c_hit == pytest.approx(4e-3, rel=1e-6)
+    # records that measured no stall fit as before, overlap or not
+    old = cycles(None, np.random.default_rng(3))
+    assert fit_constants(old, overlap=True) == fit_constants(old)
