@@ -6,7 +6,7 @@ straight to the device in their dtype, experts into the :class:`HostExpertStore`
 copy. Nothing ever holds a whole state dict, so building an engine peaks near the checkpoint's size
 (transformers' own load, then the runtime's copy into its store, peaked at 2.3-3.5x; issue 13).
 
-Tensors are read with ``pread`` into their destination's dtype, not through a memory map: the pages
+Tensors are read with plain reads into a tensor of their own dtype, not through a memory map: the pages
 of a mapped file count as the process's resident memory until it is unmapped, which would double
 the peak of a one-file checkpoint. Checkpoint key layouts (those transformers 5.24's
 ``conversion_mapping.py`` converts for the supported families, and its own fused layout):
@@ -73,7 +73,7 @@ def read_header(file: Path) -> tuple[int, dict[str, Any]]:
 
 
 class SafetensorsReader:
-    """The tensors of one checkpoint's safetensors files, read one at a time (``pread``, no mmap)."""
+    """The tensors of one checkpoint's safetensors files, read one at a time (plain reads, no mmap)."""
 
     def __init__(self, files: Iterable[Path], what: str) -> None:
         self.entries: dict[str, TensorEntry] = {}
@@ -86,7 +86,14 @@ class SafetensorsReader:
                 if dtype is None:
                     raise ModelError(f"{what}: {file.name}: tensor {name} has dtype {info['dtype']}, which specfit cannot read")
                 begin, end = (int(x) for x in info["data_offsets"])
-                self.entries[name] = TensorEntry(file, dtype, tuple(int(s) for s in info["shape"]), base + begin, end - begin)
+                shape = tuple(int(s) for s in info["shape"])
+                numel = 1
+                for size in shape:
+                    numel *= size
+                if end - begin != numel * dtype.itemsize:
+                    raise ModelError(f"{what}: {file.name}: tensor {name} has {end - begin} bytes, its shape {list(shape)} "
+                                     f"and dtype {info['dtype']} need {numel * dtype.itemsize} (a corrupt header)")
+                self.entries[name] = TensorEntry(file, dtype, shape, base + begin, end - begin)
         self._handles: dict[Path, Any] = {}
 
     def names(self) -> list[str]:

@@ -316,3 +316,17 @@ def test_a_hub_id_without_a_snapshot_is_left_to_from_pretrained(tmp_path, monkey
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: str(tmp_path))
     assert hub_snapshot("someorg/bin-only") is None
     assert hub_snapshot(str(tmp_path)) is None  # a local directory is no hub id
+
+
+def test_a_header_whose_shape_and_bytes_disagree_is_named(saved, tmp_path):
+    d = tmp_path / "ckpt"
+    shutil.copytree(saved, d)
+    data = (d / "model.safetensors").read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    header["model.norm.weight"]["shape"] = [32]  # its 256 bytes hold 64 floats
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(length)
+    assert len(text) == length
+    (d / "model.safetensors").write_bytes(data[:8] + text + data[8 + length:])
+    with pytest.raises(ModelError, match=r"model.safetensors: tensor model.norm.weight has 256 bytes, its shape \[32\]"):
+        stream_checkpoint(str(d), device="cpu")
