@@ -239,8 +239,8 @@ class OffloadRuntime:
         the experts actually issued.
 
         Experts already in a slot are skipped; the rest go to the policy's ``admit_prefetch`` with
-        the protected experts (in flight, or admitted by the layer now computing), which it must not
-        evict: the admission is checked like ``admit``'s, a violation is a PluginError naming the
+        the protected experts (in flight, admitted by the layer now computing, or asked for by this
+        prefetch and already in a slot), which it must not evict: the admission is checked like ``admit``'s, a violation is a PluginError naming the
         cache, and nothing is copied then.
         """
         spec = self.spec
@@ -249,11 +249,14 @@ class OffloadRuntime:
         layer = int(layer)
         held = set(self.slot_expert[layer].tolist())
         candidates: list[int] = []
+        kept: set[int] = set()  # asked for and already in a slot: evicting them would defeat the prefetch
         for e in experts:
             e = int(e)
             if not 0 <= e < spec.num_experts:
                 raise ValueError(f"prefetch: expert {e} outside 0..{spec.num_experts - 1}")
-            if e not in held and e not in candidates:
+            if e in held:
+                kept.add(e)
+            elif e not in candidates:
                 candidates.append(e)
         if not candidates or self.store.layers[layer] is None:
             return 0
@@ -261,7 +264,7 @@ class OffloadRuntime:
         if hook is None:
             self._cannot_prefetch()
             return 0
-        protected = self._protected(layer)
+        protected = self._protected(layer) | kept
         admission = guard.call("cache", self.policy, "admit_prefetch", layer, list(candidates), protected)
         _check_prefetch(self.policy, self.slot_expert[layer], layer, candidates, protected, admission)
         if not admission.loads:

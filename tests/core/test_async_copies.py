@@ -1,0 +1,231 @@
+"""Asynchronous copies: the emulated link's FIFO timeline against hand-computed schedules, and the
+runtime's pending tickets, stall accounting and arrival times (an injected clock: no wall time)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model
+
+from specfit import Engine
+from specfit.core.copy_engines import CopyTicket, EmulatedLinkEngine, LinkSettings, TorchCopyEngine
+from specfit.plugins.caches.lru import LRUCache
+
+MS = 1e-3
+# 1 ms per expert (1 MB over 1 GB/s) plus 0.5 ms per transfer
+LINK = LinkSettings(profile=None, bandwidth_gbps=1.0, latency_us=500.0, ref_expert_bytes=1_000_000)
+PROMPT = [5, 17, 99, 3, 42, 8, 120, 77]
+
+
+class FakeClock:
+    """A clock that moves only when told to, or when the link waits (then it jumps to the deadline)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.waits: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def wait_until(self, deadline: float) -> None:
+        self.waits.append(deadline - self.now)
+        self.now = max(self.now, deadline)
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def emulated(clock: FakeClock) -> EmulatedLinkEngine:
+    engine = EmulatedLinkEngine(TorchCopyEngine("cpu"), LINK)
+    engine.clock, engine.wait_until = clock, clock.wait_until
+    return engine
+
+
+def tensors(rows: int = 8, slots: int = 4, p: int = 16):
+    store = torch.arange(rows * p, dtype=torch.float32).view(rows, p)
+    return store, torch.zeros(slots, p)
+
+
+def ids(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def test_a_transfer_completes_after_its_charge_and_lands_its_data():
+    clock = FakeClock()
+    link = emulated(clock)
+    store, slots = tensors()
+    ticket = link.issue(store, ids(3, 5), slots, ids(0, 2))
+    assert isinstance(ticket, CopyTicket)
+    assert (ticket.experts, ticket.bytes) == (2, 2 * 16 * 4)
+    assert ticket.seconds == pytest.approx(2.5 * MS)
+    assert ticket.ready_at == pytest.approx(2.5 * MS)
+    assert ticket.remaining() == pytest.approx(2.5 * MS)
+    assert clock.now == 0.0  # issue returns at once
+    assert torch.equal(slots[0], store[3]) and torch.equal(slots[2], store[5])
+    assert ticket.wait() == pytest.approx(2.5 * MS)  # nothing overlapped it: the caller waits it all
+    assert clock.now == pytest.approx(2.5 * MS)
+    assert ticket.wait() == 0.0 and clock.waits == [pytest.approx(2.5 * MS)]  # waiting twice blocks once
+
+
+def test_compute_overlapping_a_transfer_hides_it():
+    clock = FakeClock()
+    link = emulated(clock)
+    store, slots = tensors()
+    ticket = link.issue(store, ids(1), slots, ids(0))  # [0, 1.5 ms]
+    clock.advance(1.0 * MS)  # compute meanwhile
+    assert ticket.remaining() == pytest.approx(0.5 * MS)
+    assert ticket.wait() == pytest.approx(0.5 * MS)  # only the rest is a stall
+    late = link.issue(store, ids(2), slots, ids(1))  # [1.5, 3.0 ms]
+    clock.advance(4.0 * MS)
+    assert late.remaining() == 0.0
+    assert late.wait() == 0.0  # fully hidden
+    assert clock.waits == [pytest.approx(0.5 * MS)]
+
+
+def test_transfers_queue_first_in_first_out_on_one_link():
+    clock = FakeClock()
+    link = emulated(clock)
+    store, slots = tensors()
+    a = link.issue(store, ids(0, 1), slots, ids(0, 1))  # [0, 2.5]
+    clock.advance(0.5 * MS)
+    b = link.issue(store, ids(2), slots, ids(2))  # issued at 0.5, starts when a is done: [2.5, 4.0]
+    assert b.ready_at == pytest.approx(4.0 * MS)
+    clock.advance(0.5 * MS)  # t = 1.0
+    assert b.wait() == pytest.approx(3.0 * MS)  # waits behind a
+    assert a.wait() == 0.0  # a landed before b
+    clock.advance(6.0 * MS)  # t = 10: the link has been idle since 4.0
+    c = link.issue(store, ids(3), slots, ids(3))
+    assert c.ready_at == pytest.approx(11.5 * MS)  # starts at once, not when the link last freed
+    assert link.link_busy_seconds == pytest.approx((2.5 + 1.5 + 1.5) * MS)
+
+
+def test_copy_is_issue_then_wait_and_charges_as_before():
+    clock = FakeClock()
+    link = emulated(clock)
+    store, slots = tensors()
+    record = link.copy(store, ids(4, 6, 7), slots, ids(3, 0, 1))
+    assert record.experts == 3 and record.seconds == pytest.approx(3.5 * MS)
+    assert clock.now == pytest.approx(3.5 * MS)
+    assert torch.equal(slots[3], store[4]) and torch.equal(slots[1], store[7])
+    empty = link.issue(store, ids(), slots, ids())
+    assert (empty.experts, empty.seconds, empty.wait()) == (0, 0.0, 0.0)
+
+
+def test_the_real_engines_issue_too():
+    store, slots = tensors()
+    for engine in (TorchCopyEngine("cpu"), EmulatedLinkEngine(TorchCopyEngine("cpu"), LinkSettings(latency_us=1.0))):
+        ticket = engine.issue(store, ids(7, 2), slots, ids(1, 3))
+        ticket.wait()
+        assert torch.equal(slots[1], store[7]) and torch.equal(slots[3], store[2])
+        assert ticket.remaining() == 0.0
+
+
+# ------------------------------------------------------------------------------------ the runtime
+
+
+def build(clock: FakeClock, capacity: int = 3) -> Engine:
+    return Engine(tiny_model(), cache=LRUCache(capacity=capacity), copy=emulated(clock), device="cpu")
+
+
+def test_without_prefetch_every_copy_is_a_stall():
+    clock = FakeClock()
+    engine = build(clock)
+    stats = engine.generate(PROMPT, max_new_tokens=4).stats
+    assert stats["expert_cache_misses"] > 0
+    # compute takes no time on this clock, so each layer waits its whole transfer
+    assert stats["h2d_stall_seconds"] == pytest.approx(stats["h2d_seconds"])
+    assert stats["link_busy_seconds"] == pytest.approx(stats["h2d_seconds"])
+    assert stats["prefetch_issued"] == stats["prefetch_used"] == stats["prefetch_wasted"] == 0
+
+
+def test_a_prefetch_arrives_and_is_used_by_the_next_pass():
+    clock = FakeClock()
+    engine = build(clock, capacity=4)
+    engine.generate(PROMPT, max_new_tokens=2)
+    runtime = engine.runtime
+    arriving = runtime.arriving()
+    resident = runtime.resident()
+    assert arriving.shape == resident.shape
+    assert (arriving[resident] == 0.0).all() and np.isinf(arriving[~resident]).all()
+
+    absent = [int(e) for e in np.flatnonzero(~resident[0])[:2]]
+    before = runtime.stats.copy()
+    assert runtime.prefetch(0, absent + absent[:1]) == 2  # duplicates and resident experts are not candidates
+    arriving = runtime.arriving()
+    assert arriving[0, absent] == pytest.approx([2.5 * MS, 2.5 * MS])  # one transfer of two experts
+    assert runtime.prefetch(0, absent) == 0  # already in a slot
+    clock.advance(1.0 * MS)
+    assert runtime.arriving()[0, absent] == pytest.approx([1.5 * MS, 1.5 * MS])
+    # the next pass's layer 0 routes to the experts it routes to; make sure it needs the prefetched ones
+    runtime._wait_for(0, {absent[0]: int(np.flatnonzero(runtime.slot_expert[0] == absent[0])[0])})
+    during = runtime.stats.since(before)
+    assert during.prefetch_issued == 2 and during.prefetch_used == 1
+    assert during.h2d_stall_seconds == pytest.approx(1.5 * MS)  # the rest of the transfer
+    assert runtime.arriving()[0, absent] == pytest.approx([0.0, 0.0])
+
+
+def test_layer_listeners_see_each_moe_layer_before_its_routing():
+    clock = FakeClock()
+    engine = build(clock)
+    seen: list[tuple[int, tuple[int, ...]]] = []
+    engine.runtime.add_layer_listener(lambda layer, hidden: seen.append((layer, tuple(hidden.shape))))
+    engine.generate(PROMPT, max_new_tokens=2)
+    layers = engine.runtime.spec.num_layers
+    assert [layer for layer, _ in seen] == list(range(layers)) * 2  # prefill, then one decode pass
+    assert seen[0][1][0] == len(PROMPT) and seen[-1][1][0] == 1
+
+
+def recorded_routing(engine: Engine, prompt: list[int], n: int) -> list[np.ndarray]:
+    """Each pass's routing, int [tokens, layers, top_k], of a greedy run."""
+    runtime, passes = engine.runtime, []
+    begin = runtime.begin_pass
+
+    def record_then_begin() -> None:
+        if all(r is not None for r in runtime._routing):
+            passes.append(runtime.routing())
+        begin()
+
+    runtime.begin_pass = record_then_begin
+    engine.generate(prompt, max_new_tokens=n)
+    passes.append(runtime.routing())
+    return passes
+
+
+def test_overlap_with_compute_is_measured_not_assumed():
+    """A listener 'computes' 5 ms per layer and prefetches exactly the next layer's experts (known from
+    a first run): their copies run during that compute, so the stall drops; the output does not."""
+    clock = FakeClock()
+    reference = build(clock, capacity=8)
+    routing = recorded_routing(reference, PROMPT, 3)
+    ref_stats = reference.generate(PROMPT, max_new_tokens=3)
+
+    clock = FakeClock()
+    baseline = build(clock, capacity=8)
+    baseline.runtime.add_layer_listener(lambda layer, hidden: clock.advance(5 * MS))
+    base = baseline.generate(PROMPT, max_new_tokens=3)
+
+    clock = FakeClock()
+    engine = build(clock, capacity=8)
+    runtime = engine.runtime
+
+    def compute_and_prefetch(layer: int, hidden: torch.Tensor) -> None:
+        """Compute for 5 ms; meanwhile prefetch the next layer's experts (the next pass's first layer
+        after the last): transfers of at most 2.5 ms, one per 5 ms, so none waits behind another."""
+        clock.advance(5 * MS)
+        this_pass = runtime.stats.passes - 1
+        if layer + 1 < runtime.spec.num_layers:
+            runtime.prefetch(layer + 1, np.unique(routing[this_pass][:, layer + 1]).tolist())
+        elif this_pass + 1 < len(routing):
+            runtime.prefetch(0, np.unique(routing[this_pass + 1][:, 0]).tolist())
+
+    runtime.add_layer_listener(compute_and_prefetch)
+    out = engine.generate(PROMPT, max_new_tokens=3)
+    assert out.token_ids == base.token_ids == ref_stats.token_ids
+    stats = out.stats  # decode passes only
+    assert base.stats["h2d_stall_seconds"] > 0
+    assert stats["expert_cache_misses"] == 0  # every decode copy was a prefetch ...
+    assert stats["h2d_stall_seconds"] == pytest.approx(0.0)  # ... that landed during the previous layer
+    whole = runtime.stats
+    assert whole.prefetch_issued > 0 and whole.prefetch_used == whole.prefetch_issued
+    assert whole.prefetch_wasted == 0
