@@ -32,6 +32,7 @@ class Verdict:
     hits: int
     union: list[int]  # experts per MoE layer in the pass
     h2d_seconds: float = 0.0
+    h2d_stall_seconds: float = 0.0  # time the pass's compute blocked on copies (pipelined runtime)
 
 
 @dataclass
@@ -199,6 +200,7 @@ class Cycle:
             select_seconds=times.select_seconds,
             verify_seconds=times.verify_seconds,
             h2d_seconds=verdict.h2d_seconds,
+            h2d_stall_seconds=verdict.h2d_stall_seconds,
             total_seconds=times.total_seconds,
             misses=verdict.misses,
             hits=verdict.hits,

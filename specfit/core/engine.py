@@ -276,7 +276,7 @@ class LiveVerifier:
         self._result = result = self.target.verify(block)
         during = self.runtime.stats.since(before)
         return Verdict(result.routing, during.misses, during.hits, [int(u) for u in during.union_sum],
-                       during.h2d_seconds)
+                       during.h2d_seconds, during.h2d_stall_seconds)
 
     def token_after(self, block: VerifyBlock, pos: int, sampler: Sampler) -> int:
         return sampler.token(self._result.logits[pos], sampler.position + block.depths[pos])

@@ -48,6 +48,7 @@ class CycleRecord:
     predicted: dict[str, float] = field(default_factory=dict)  # the selector's predictions, if any
     # predicted vs routed experts of the verified tokens: (correct, predicted, routed), if predicted
     prediction: tuple[int, int, int] | None = None
+    h2d_stall_seconds: float = 0.0  # time the verification pass blocked on copies (calibration's overlap)
 
 
 @dataclass
@@ -96,6 +97,7 @@ class RunStats:
             "draft_seconds": sum(c.draft_seconds for c in cycles),
             "select_seconds": sum(c.select_seconds for c in cycles),
             "verify_compute_seconds": sum(c.verify_seconds - c.h2d_seconds for c in cycles),
+            "verify_seconds": sum(c.verify_seconds for c in cycles),  # stall included (the report splits it)
             **_prediction_summary(cycles),
             **self.info,
         }
