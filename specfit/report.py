@@ -4,7 +4,9 @@ Reads the JSONL that ``bench`` (or ``demo``, ``generate``, a Hydra sweep of them
 directories, searched recursively for results.jsonl. Rows are grouped by workload, method and the
 config keys that differ between runs (a sweep's axes), and averaged like the bench table. Plots:
 throughput per method per workload; acceptance length against verified nodes per cycle; the
-cycle-time breakdown (drafting, selection, verification compute, H2D) per generated token.
+cycle-time breakdown (drafting, selection, verification compute, and the time compute waited on
+copies, shown apart) per generated token. Runs that prefetched experts add prefetch precision and
+recall (defined in :func:`specfit.results.prefetch_figures`) to the tables.
 
 Rows that score an acceptance estimator (``specfit replay`` of a cost-aware selector,
 ``specfit fit-acceptance``) add a table of Brier score and log loss per estimator and a reliability
@@ -76,7 +78,8 @@ def acceptance_table(rows: Sequence[dict[str, Any]]) -> str:
 NUMERIC = ("output_throughput", "num_output_tokens", "total_seconds", "cycles", "draft_seconds", "select_seconds",
            "verify_compute_seconds", "h2d_seconds", "h2d_bytes", "expert_cache_hits", "expert_cache_misses",
            "spec_decode_acceptance_length", "verified_nodes_per_cycle", "experts_per_layer_union", "predictor_recall",
-           "predictor_precision")
+           "predictor_precision", "h2d_stall_seconds", "link_busy_seconds", "prefetch_issued", "prefetch_used",
+           "prefetch_wasted", "verify_seconds")
 
 
 def _check_runs(f: Path, rows: Sequence[dict[str, Any]]) -> None:
@@ -152,6 +155,10 @@ def write_report(paths: Sequence[str | Path], out_dir: str | Path) -> Path:
     for workload in sorted({s["workload"] for s in summary}):
         part = [s for s in summary if s["workload"] == workload]
         lines += [f"## Workload {workload}", "", "```", comparison_table(part, baseline=_baseline(part)), "```", ""]
+    if any(s.get("prefetch_issued") for s in summary):
+        lines += ["Prefetch: `pf prec` = prefetched experts a pass then used / experts prefetched; `pf recall` = "
+                  "prefetched experts used / (those + misses), the share of the copies the passes needed that "
+                  "prefetch brought; `stall ms/tok` = time compute blocked on copies per output token.", ""]
     plots = _plots(summary, out) if summary else []
     if scored:
         lines += ["## Acceptance estimators", "",
@@ -200,12 +207,13 @@ def _plots(summary: Sequence[dict[str, Any]], out: Path) -> list[str]:
     names.append(_save(fig, out, "acceptance.png"))
 
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(summary)), 4))
-    parts = [("draft_seconds", "drafting"), ("select_seconds", "selection"), ("verify_compute_seconds", "verify compute"),
-             ("h2d_seconds", "H2D")]
+    parts = [("draft_seconds", "drafting"), ("select_seconds", "selection"), ("compute", "verify compute"),
+             ("stall", "waiting on copies (H2D stall)")]
     labels = [f"{s['method']}\n{s['workload']}" for s in summary]
     bottom = [0.0] * len(summary)
+    split = [dict(s, **dict(zip(("compute", "stall"), verify_split(s)))) for s in summary]
     for key, label in parts:
-        values = [1e3 * s.get(key, 0.0) / max(s.get("num_output_tokens", 1), 1) for s in summary]
+        values = [1e3 * s.get(key, 0.0) / max(s.get("num_output_tokens", 1), 1) for s in split]
         ax.bar(range(len(summary)), values, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.set_xticks(range(len(summary)), labels, fontsize=6)
@@ -214,6 +222,20 @@ def _plots(summary: Sequence[dict[str, Any]], out: Path) -> list[str]:
     ax.legend(fontsize=7)
     names.append(_save(fig, out, "breakdown.png"))
     return names
+
+
+def verify_split(row: dict[str, Any]) -> tuple[float, float]:
+    """(compute, stall) seconds of a run's verification passes.
+
+    Where the copies are asynchronous and their wait is measured on the host (the emulated link:
+    rows with ``h2d_stall_seconds`` and ``verify_seconds``), the stall is that measured wait and
+    compute the rest, so transfers hidden behind drafting or compute count nowhere. Otherwise (a
+    CPU or CUDA engine, or results from before issue 14) every H2D second is taken as waited, as
+    before."""
+    if row.get("h2d_emulated") and "h2d_stall_seconds" in row and "verify_seconds" in row:
+        stall = float(row["h2d_stall_seconds"])
+        return max(float(row["verify_seconds"]) - stall, 0.0), stall
+    return float(row.get("verify_compute_seconds", 0.0)), float(row.get("h2d_seconds", 0.0))
 
 
 def _reliability_plot(rows: Sequence[dict[str, Any]], out: Path) -> list[str]:

@@ -52,6 +52,12 @@ def stats_line(stats: dict[str, Any]) -> str:
         f"misses={stats['expert_cache_misses']}",
         f"h2d={stats['h2d_bytes'] / 1e6:.1f}MB/{stats['h2d_seconds']:.3f}s",
     ]
+    if stats.get("prefetch_issued") or stats.get("h2d_stall_seconds"):
+        figures = prefetch_figures(stats)
+        parts.append(f"stall={stats.get('h2d_stall_seconds', 0.0):.3f}s prefetch={stats.get('prefetch_issued', 0)}"
+                     f"/used {stats.get('prefetch_used', 0)}/wasted {stats.get('prefetch_wasted', 0)}"
+                     + (f" (precision {figures['prefetch_precision']:.2f}, recall {figures['prefetch_recall']:.2f})"
+                        if "prefetch_precision" in figures else ""))
     if "expert_host_bytes" in stats:  # where the weights live (Engine.info)
         parts.append(f"memory=experts host {stats['expert_host_bytes'] / 1e6:.1f}MB + device "
                      f"{stats['expert_device_bytes'] / 1e6:.1f}MB, dense {stats['dense_device_bytes'] / 1e6:.1f}MB")
@@ -73,8 +79,34 @@ COLUMNS = [
     ("hit rate", "expert_cache_hit_rate", "{:.2f}"),
     ("H2D MB", "h2d_mb", "{:.1f}"),
     ("H2D s", "h2d_seconds", "{:.3f}"),
+    ("stall ms/tok", "stall_ms_per_token", "{:.2f}"),
+    ("pf prec", "prefetch_precision", "{:.2f}"),
+    ("pf recall", "prefetch_recall", "{:.2f}"),
     ("recall", "predictor_recall", "{:.2f}"),
 ]
+
+
+def prefetch_figures(stats: dict[str, Any]) -> dict[str, float]:
+    """How well prefetch worked, from a run's (or summed runs') counts; empty where nothing was
+    prefetched, and the stall only where the run measured it.
+
+    - ``prefetch_precision`` = used / issued: the share of prefetched experts a pass then computed
+      with before they were evicted;
+    - ``prefetch_recall`` = used / (used + misses): of the expert copies the passes needed (an
+      expert a pass used that was not already resident: prefetched in time, or missed and copied
+      on demand; one prefetched but evicted before use is a miss), the share prefetch brought;
+    - ``stall_ms_per_token``: the time compute blocked on copies, per output token.
+    """
+    out: dict[str, float] = {}
+    tokens = stats.get("num_output_tokens", 0)
+    if "h2d_stall_seconds" in stats and tokens:
+        out["stall_ms_per_token"] = 1e3 * stats["h2d_stall_seconds"] / tokens
+    issued, used = stats.get("prefetch_issued", 0), stats.get("prefetch_used", 0)
+    if issued:
+        out["prefetch_precision"] = used / issued
+        needed = used + stats.get("expert_cache_misses", 0)
+        out["prefetch_recall"] = used / needed if needed else 0.0
+    return out
 
 
 def comparison_table(rows: Sequence[dict[str, Any]], baseline: str | None = None) -> str:
@@ -86,7 +118,7 @@ def comparison_table(rows: Sequence[dict[str, Any]], baseline: str | None = None
     vanilla = next((r for r in rows if r["method"] == "eagle3_nocache"), None)
     table = []
     for r in rows:
-        r = dict(r, h2d_mb=r.get("h2d_bytes", 0) / 1e6)
+        r = dict(r, h2d_mb=r.get("h2d_bytes", 0) / 1e6, **prefetch_figures(r))
         r["speedup"] = r["output_throughput"] / base["output_throughput"] if base["output_throughput"] else 0.0
         if vanilla is not None and vanilla["output_throughput"]:
             r["speedup_vs_eagle3_nocache"] = r["output_throughput"] / vanilla["output_throughput"]
@@ -119,12 +151,14 @@ def mean_stats(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out["output_throughput"] = tokens / seconds if seconds else 0.0
     totals = ("expert_cache_hits", "expert_cache_misses", "h2d_bytes", "h2d_seconds", "num_output_tokens", "total_seconds",
               "draft_seconds", "select_seconds", "verify_compute_seconds", "cycles", "draft_tokens", "verified_nodes",
-              "accepted_tokens")
+              "accepted_tokens", "h2d_stall_seconds", "link_busy_seconds", "prefetch_issued", "prefetch_used",
+              "prefetch_wasted", "verify_seconds")
     for key in totals:
         if key in out:
             out[key] = sum(r[key] for r in runs)
     hits, misses = out.get("expert_cache_hits", 0), out.get("expert_cache_misses", 0)
     out["expert_cache_hit_rate"] = hits / (hits + misses) if hits + misses else 0.0
+    out.update(prefetch_figures(out))
     return out
 
 

@@ -55,3 +55,45 @@ def test_sweep_through_the_submitit_launcher_on_a_local_instance(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [json.loads(p.read_text().splitlines()[0]) for p in sorted(tmp_path.glob("*/results.jsonl"))]
     assert sorted(r["cache_slots_per_layer"] for r in rows) == [2, 4]
+
+
+def _prefetch_row(method: str, stall: float, issued: int, used: int, misses: int, tokens: int = 10) -> dict:
+    return {"method": method, "workload": "w", "output_throughput": tokens / 1.0, "num_output_tokens": tokens,
+            "total_seconds": 1.0, "cycles": tokens, "draft_seconds": 0.1, "select_seconds": 0.05,
+            "verify_compute_seconds": 0.5, "verify_seconds": 0.8, "h2d_seconds": 0.3, "h2d_stall_seconds": stall,
+            "link_busy_seconds": 0.3, "h2d_emulated": True, "expert_cache_hits": 20, "expert_cache_misses": misses,
+            "prefetch_issued": issued, "prefetch_used": used, "prefetch_wasted": issued - used, "config": {}}
+
+
+def test_prefetch_precision_recall_and_stall_in_the_table():
+    """Precision = used / issued, recall = used / (used + misses), stall per token; summed over runs."""
+    from specfit.results import comparison_table, mean_stats, prefetch_figures
+
+    assert prefetch_figures(_prefetch_row("a", 0.2, 0, 0, 5)) == {"stall_ms_per_token": pytest.approx(20.0)}
+    figures = prefetch_figures(_prefetch_row("p", 0.05, 8, 6, 2))
+    assert figures == {"stall_ms_per_token": pytest.approx(5.0), "prefetch_precision": pytest.approx(0.75),
+                       "prefetch_recall": pytest.approx(0.75)}
+    both = mean_stats([_prefetch_row("p", 0.05, 8, 6, 2), _prefetch_row("p", 0.15, 2, 0, 8)])
+    assert both["prefetch_issued"] == 10 and both["h2d_stall_seconds"] == pytest.approx(0.2)
+    assert both["prefetch_precision"] == pytest.approx(0.6) and both["prefetch_recall"] == pytest.approx(6 / 16)
+    assert both["stall_ms_per_token"] == pytest.approx(10.0)
+    table = comparison_table([_prefetch_row("ar", 0.2, 0, 0, 5), _prefetch_row("ar_prefetch", 0.05, 8, 6, 2)])
+    header, _, ar, pf = table.splitlines()
+    assert "stall ms/tok" in header and "pf prec" in header and "pf recall" in header
+    assert ar.split()[0] == "ar" and pf.split()[0] == "ar_prefetch"
+    assert "20.00" in ar and "5.00" in pf and "0.75" in pf
+
+
+def test_breakdown_shows_the_stall_apart_from_compute(tmp_path):
+    """An emulated pipelined run: compute is the verification time less the measured stall, not less
+    the issued H2D seconds (partly hidden); other runs keep the H2D seconds as the wait."""
+    from specfit.report import verify_split
+
+    assert verify_split(_prefetch_row("p", 0.05, 8, 6, 2)) == (pytest.approx(0.75), pytest.approx(0.05))
+    old = {"verify_compute_seconds": 0.5, "h2d_seconds": 0.3}  # a row from before issue 14
+    assert verify_split(old) == (0.5, 0.3)
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (_prefetch_row("ar", 0.2, 0, 0, 5),
+                                                             _prefetch_row("ar_prefetch", 0.05, 8, 6, 2))))
+    text = write_report([path], tmp_path / "report").read_text()
+    assert "pf recall" in text and "the share of the copies the passes needed" in text

@@ -153,8 +153,7 @@ def cycles(stall_share: float | None, rng: np.random.Generator, n: int = 24) -> 
         record = CycleRecord(drafted=verified, levels=levels, verified=verified, accepted=0, committed=1,
                              draft_seconds=draft, select_seconds=0.0, verify_seconds=total - draft,
                              h2d_seconds=issued, total_seconds=total, misses=misses, hits=hits, union=[])
-        if stall_share is not None:
-            record.h2d_stall_seconds = visible  # measured by the pipelined runtime
+        record.h2d_stall_seconds = 0.0 if stall_share is None else visible  # measured by the pipelined runtime
         out.append(record)
     return out
 
@@ -170,6 +169,9 @@ def test_calibration_fits_the_overlap_it_observes() -> None:
     # the same cycles read as before issue 14: every issued second counted as waited
     plain = fit_constants(records)
     assert plain.c_miss - plain.c_hit == pytest.approx(4e-3, rel=1e-6)
-    # records that measured no stall fit as before, overlap or not
-    old = cycles(None, np.random.default_rng(3))
-    assert fit_constants(old, overlap=True) == fit_constants(old)
+    # without prefetch every copy is waited on: the stall is the copy time, and both readings agree
+    sync = cycles(None, np.random.default_rng(4))
+    for r in sync:
+        r.h2d_stall_seconds = r.h2d_seconds
+    assert fit_constants(sync, overlap=True).c_miss == pytest.approx(fit_constants(sync).c_miss, rel=1e-9)
+    assert fit_constants(sync).c_miss - C.c_hit == pytest.approx(4e-3, rel=1e-6)
