@@ -8,7 +8,10 @@
 #      one contiguous cudaMemcpy of the same bytes,
 #   3. losslessness on CUDA (tests/core/test_cuda.py: every architecture x cache x copy engine),
 #   4. one `specfit bench` of AR / EAGLE-3 / SpecFit with offloading and real transfers (no emulation)
-#      on the demo pair, per copy engine.
+#      on the demo pair, per copy engine,
+#   5. real copy/compute overlap of the asynchronous copy engines (scripts/overlap_check.py): a pass of
+#      layers whose next layer's experts are copied while this layer computes, against the same copies
+#      and compute in series; hidden_fraction 1.0 = the smaller of the two fully hidden.
 # Everything goes to one results folder, ${OUT:-gpu-results}/ (NAME.txt per step, JSONL beside it).
 # The whole run stays under BUDGET seconds (default 570, under 10 minutes): each step runs with a
 # timeout of its cap or what is left, whichever is less; a step the budget no longer allows is
@@ -56,10 +59,12 @@ if [ "$SMALL" = 1 ]; then
         --tokens 12 --repeats 2)
   H2D=(--experts 8 --hidden 64 --intermediate 32 --batches 1,4 --iters 2 --warmup 1)
   BENCH=(workload.num_prompts=1 max_new_tokens=8)
+  OVERLAP=(--layers 3 --experts 2 --expert-mb 0.25 --dim 128 --matmuls 2 --repeats 2)
 else
   DIMS=(--repeats 10)
   H2D=(--batches 1,8,32,64)
   BENCH=(workload.num_prompts=2 max_new_tokens=64)
+  OVERLAP=()
 fi
 
 if [ -d .gpu-wheels ]; then $PY -m pip install -q --no-index --no-deps .gpu-wheels/*.whl 2>&1 | tail -2; fi
@@ -85,4 +90,6 @@ for copy in $COPIES; do
   step 120 "4-bench-$copy" $PY -m specfit.cli bench model=demo workloads=[prose] methods=[ar,eagle3,specfit] \
     "${BENCH[@]}" cache.copy="$copy" model.device="$DEVICE" hydra.run.dir="$OUT/bench-$copy"
 done
+step 90 5-overlap $PY scripts/overlap_check.py --device "$DEVICE" --copies "$(echo $COPIES | tr ' ' ,)" \
+  --out "$OUT/overlap.jsonl" "${OVERLAP[@]}"
 echo "== done in ${SECONDS}s; results in $OUT/"
