@@ -281,13 +281,15 @@ class OffloadRuntime:
         spec = self.spec
         out = np.full((spec.num_layers, spec.num_experts), np.inf)
         resident = self.resident()
-        for layer in range(spec.num_layers):
-            pending = self._pending[layer]
-            for slot, expert in enumerate(self.slot_expert[layer].tolist()):
-                if expert < 0 or not resident[layer, expert]:
-                    continue
-                ticket = pending.get(slot)
-                out[layer, expert] = ticket.remaining() if ticket is not None else 0.0
+        layers, slots = np.nonzero(self.slot_expert >= 0)
+        experts = self.slot_expert[layers, slots]
+        held = resident[layers, experts]  # a scratch slot's leftover (cache=none) is not resident
+        out[layers[held], experts[held]] = 0.0
+        for layer, pending in enumerate(self._pending):
+            for slot, ticket in pending.items():
+                expert = int(self.slot_expert[layer, slot])
+                if expert >= 0 and resident[layer, expert]:
+                    out[layer, expert] = ticket.remaining()
         return out
 
     def _protected(self, layer: int) -> frozenset[int]:
