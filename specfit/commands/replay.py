@@ -74,6 +74,8 @@ def replay_config(trace: Trace, cfg: DictConfig, name: str, model: Any, draft_ti
     def parts() -> dict[str, Any]:
         made = {kind: plugins[kind].create(cfg[kind]) if cfg.get(kind) is not None else None
                 for kind in ("selector", "cache", "cost_model", "predictor")}
+        # prefetch: draft-time prefetches on the replay's modelled link (the oracle replays without)
+        made["prefetcher"] = plugins["prefetch"].create(cfg.prefetch) if cfg.get("prefetch") is not None and not oracle else None
         if oracle:
             from specfit.plugins.selectors.oracle import OracleSelector
 
@@ -142,6 +144,9 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
     if profile is not None:
         print(f"time: modelled on cost profile {profile} ({cost_profile(profile).description}; "
               f"specfit.core.cost_profiles), not measured")
+    for r in rows:  # modelled prefetch, and what a prefetcher could not replay (lookahead)
+        if r.get("prefetch_note"):
+            print(f"prefetch={r['prefetch']} ({r['method']}): {r['prefetch_note']}")
     if any(r["divergences"] for r in rows):
         print("WARNING: some accepted paths disagree with the recorded output (tree-pass numerics); "
               "those cycles were cut at the disagreement (see 'divergences')")

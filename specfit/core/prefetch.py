@@ -288,6 +288,12 @@ class ModelledSink(PrefetchSink):
         self.stall_seconds += stall
         return stall
 
+    def sweep(self) -> None:
+        """After a pass: prefetched experts it evicted unused are wasted."""
+        for layer, expert in [key for key in self._pending if key[1] not in self.slot_expert[key[0]]]:
+            del self._pending[(layer, expert)]
+            self.wasted += 1
+
 
 def check_prefetch_admission(cache: Any, row: np.ndarray, layer: int, candidates: list[int],
                              protected: frozenset[int], admission: Any) -> list[tuple[int, int]]:
@@ -297,7 +303,8 @@ def check_prefetch_admission(cache: Any, row: np.ndarray, layer: int, candidates
         return guard.violation("cache", cache, "admit_prefetch", f"layer {layer}: {message}")
 
     loads = getattr(admission, "loads", None)
-    if not isinstance(getattr(admission, "slots", None), dict) or not isinstance(loads, (list, tuple)):
+    slots = getattr(admission, "slots", None)
+    if not isinstance(slots, dict) or not isinstance(loads, (list, tuple)):
         raise bad(f"returned {type(admission).__name__}, expected an Admission(slots: dict, loads: list)")
     wanted, seen_slots, seen = set(candidates), set(), set()
     out = []
@@ -317,6 +324,12 @@ def check_prefetch_admission(cache: Any, row: np.ndarray, layer: int, candidates
         seen_slots.add(slot)
         seen.add(expert)
         out.append((expert, slot))
+    try:
+        same = dict(out) == {int(e): int(v) for e, v in slots.items()}
+    except (TypeError, ValueError):
+        same = False
+    if not same:
+        raise bad("slots and loads differ: a prefetch admits exactly the experts it loads")
     return out
 
 

@@ -31,6 +31,7 @@ from specfit.core import guard
 from specfit.core.calibration import CostConstants, load_constants
 from specfit.core.cycle import Cycle, CycleTimes, Verdict, check_parts
 from specfit.core.offload import admission_rounds, bind_cache, cache_preload, cache_resident
+from specfit.core.prefetch import ModelledSink
 from specfit.core.sampling import Sampler, SamplingParams
 from specfit.core.stats import CycleRecord, cycle_summary
 from specfit.core.tree import DraftTree, VerifyBlock
@@ -83,6 +84,8 @@ class ReplayResult:
     constants: dict[str, Any] = field(default_factory=dict)  # the CostConstants charged
     # a cost-aware selector's acceptance estimator, scored on the settled nodes (Brier, log loss, reliability)
     acceptance: dict[str, Any] = field(default_factory=dict)
+    # the prefetcher's counts on the modelled link (empty without one), and what it could not replay
+    prefetch: dict[str, Any] = field(default_factory=dict)
 
     def committed(self, sequence: int = 0) -> list[int]:
         """Tokens committed per cycle of one sequence (the agreement test's exact comparison)."""
@@ -109,6 +112,7 @@ class ReplayResult:
             "replay_seconds": self.wall_seconds,
             "replay_positions_per_second": self.positions / self.wall_seconds if self.wall_seconds > 0 else 0.0,
             **self.acceptance,
+            **self.prefetch,
         }
 
 
@@ -183,7 +187,7 @@ def model_loader(trace: Trace, model_cfg: Any = None) -> Callable[[], Any]:
 
 def replay(trace: Trace, selector: Any, cache: Any, cost_model: Any, predictor: Any = None, *,
            draft_time: str = "measured", model: Any = None, method: str | None = None,
-           max_cycles: int | None = None) -> ReplayResult:
+           max_cycles: int | None = None, prefetcher: Any = None) -> ReplayResult:
     """Replay ``trace`` with these plugin instances (fresh ones: they are bound and keep state).
 
     ``draft_time``: ``measured`` (``recorded``, its earlier name, is accepted) charges each cycle
@@ -193,6 +197,9 @@ def replay(trace: Trace, selector: Any, cache: Any, cost_model: Any, predictor: 
     function loading it) for predictors that read its weights; by default the trace's model is
     loaded when first needed. ``max_cycles`` stops early (a warm-up: the first selection in a
     process may compile code, and a measured-time replay would charge that as selection time).
+    ``prefetcher``: its draft-time prefetches go to a modelled link (:class:`ModelledSink`): the
+    cache admits them, a layer that needs one still in flight is charged the wait; prefetching from
+    live hidden states (``lookahead``) cannot be replayed and says so in the summary.
     """
     mode = draft_time_mode(draft_time)
     check_parts({"selector": selector, "cache": cache, "cost_model": cost_model, "predictor": predictor})
@@ -208,7 +215,12 @@ def replay(trace: Trace, selector: Any, cache: Any, cost_model: Any, predictor: 
         guard.call("predictor", predictor, "bind", verifier.target)
     verifier.bind_cache()
     verifier.selector_name = guard.plugin_name(selector)
-    cycle = Cycle(verifier, spec, selector, predictor, cost_model)
+    sink = None
+    if prefetcher is not None and guard.plugin_name(prefetcher) != "none":
+        check_parts({"prefetch": prefetcher})
+        sink = verifier.sink = ModelledSink(prefetcher, spec, cache, verifier.slot_expert, verifier.constants)
+        sink.call("bind", verifier.target, sink)
+    cycle = Cycle(verifier, spec, selector, predictor, cost_model, prefetcher=prefetcher if sink else None, sink=sink)
     start = time.perf_counter()
     cycles = verifier.run(cycle, max_cycles)
     return ReplayResult(
@@ -223,6 +235,7 @@ def replay(trace: Trace, selector: Any, cache: Any, cost_model: Any, predictor: 
         wall_seconds=time.perf_counter() - start,
         constants=verifier.constants.to_json(),
         acceptance=_acceptance_score(selector),
+        prefetch=_prefetch_summary(prefetcher, sink),
     )
 
 
@@ -250,6 +263,8 @@ class TraceVerifier:
         self.start = 0
         self._rows = np.zeros(0, dtype=np.int64)
         self.diverged = False
+        self.sink: ModelledSink | None = None  # the modelled link of a prefetcher, if any
+        self._stall = 0.0  # the last pass's modelled wait for prefetches in flight
 
     def bind_cache(self) -> None:
         """Bind the cache policy and apply its preload, checked as the offload runtime checks it."""
@@ -277,6 +292,8 @@ class TraceVerifier:
                 if max_cycles is not None and len(done) >= max_cycles:
                     return done
                 self._at(index, seq, pos)
+                if self.sink is not None:
+                    self.sink.begin_cycle()
                 sampler.position = pos + 1
                 record, tokens = cycle.run(self.rec.root, sampler, self.max_depth, self.max_nodes,
                                            max_commit=len(output) - pos - 1)
@@ -307,6 +324,10 @@ class TraceVerifier:
     def resident(self) -> np.ndarray:
         return cache_resident(self.cache, self.spec)
 
+    def arriving(self) -> np.ndarray | None:
+        """The modelled link's view (None without a prefetcher: the selector sees today's context)."""
+        return self.sink.arriving() if self.sink is not None else None
+
     def verify(self, block: VerifyBlock) -> Verdict:
         rec = self.rec
         rows = rec.rows(block.nodes)
@@ -318,7 +339,11 @@ class TraceVerifier:
                 f"chain): this selection cannot be replayed")
         self._rows = rows
         routing = np.concatenate([rec.root_routing[None], rec.routing[rows]]).astype(np.int64)
+        if self.sink is not None:  # the pass starts when drafting ended; prefetches may still be landing
+            self._stall = self.sink.settle(routing, len(routing), self.sink.now())
         misses, hits, union = self._pass(routing)
+        if self.sink is not None:
+            self.sink.sweep()
         return Verdict(routing, misses, hits, union)
 
     def token_after(self, block: VerifyBlock, pos: int, sampler: Sampler) -> int:
@@ -344,7 +369,9 @@ class TraceVerifier:
     def times(self, measured: CycleTimes, levels: int, verified: int, verdict: Verdict, overhead: float) -> CycleTimes:
         """The cost model's charge: D (recorded or modelled) plus the pass's time for its hits and misses."""
         draft = self.draft_seconds(levels, 0.0, overhead)
-        return CycleTimes(draft, 0.0, 0.0, self.constants.cycle_seconds(verified, verdict.misses, verdict.hits, draft))
+        stall, self._stall = self._stall, 0.0  # a modelled prefetch's wait (0.0 without one)
+        return CycleTimes(draft, 0.0, 0.0,
+                          self.constants.cycle_seconds(verified, verdict.misses, verdict.hits, draft) + stall)
 
     def _pass(self, routing: np.ndarray) -> tuple[int, int, list[int]]:
         """One target pass through the cache policy: (misses, hits, experts per layer)."""
@@ -358,6 +385,22 @@ class TraceVerifier:
                 misses += len(admission.loads)
                 hits += len(admission.slots) - len(admission.loads)
         return misses, hits, union
+
+
+def _prefetch_summary(prefetcher: Any, sink: ModelledSink | None) -> dict[str, Any]:
+    """The prefetcher's counts on the modelled link, and a note on what was not replayed."""
+    if prefetcher is None or sink is None:
+        return {}
+    notes = ["prefetch modelled on the replay's link (expert_seconds = c_miss - c_hit per copy, FIFO)", *sink.notes]
+    return {
+        "prefetch": guard.plugin_name(prefetcher),
+        "prefetch_time": "modelled",
+        "prefetch_issued": sink.counts.issued,
+        "prefetch_used": sink.used,
+        "prefetch_wasted": sink.wasted,
+        "h2d_stall_seconds": sink.stall_seconds,
+        "prefetch_note": "; ".join(notes),
+    }
 
 
 def _acceptance_score(selector: Any) -> dict[str, Any]:

@@ -1,0 +1,317 @@
+"""Prefetchers (issue 14): a plug-in kind; every built-in keeps greedy output identical to AR, issues
+sensible prefetches, and a broken prefetcher is one PluginError that never corrupts a slot."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model
+from drafters import ScriptedDrafter
+
+import specfit
+from specfit import Engine
+from specfit.core.calibration import CostConstants
+from specfit.core.prefetch import ModelledSink
+from specfit.core.tree import DraftTree
+from specfit.errors import PluginError
+from specfit.interfaces import PrefetcherBase, PrefetcherConfig
+from specfit.plugins.caches.full import FullCache
+from specfit.plugins.caches.lru import LRUCache
+from specfit.plugins.caches.none import NoCache
+from specfit.plugins.cost_models.union import UnionCostModel
+from specfit.plugins.predictors.history import HistoryPredictor
+from specfit.plugins.prefetchers.auto import AutoPrefetcher
+from specfit.plugins.prefetchers.draft import DraftPrefetcher
+from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher
+from specfit.plugins.prefetchers.none import NoPrefetcher
+from specfit.plugins.selectors.eagle3 import TopByPathProbSelector
+from specfit.plugins.selectors.none import NoDraftSelector
+from specfit.plugins.selectors.specfit import SpecFitSelector
+from specfit.registry import get_plugins
+
+PROMPT = [5, 17, 99, 3, 42, 8, 120, 77]
+N = 24
+CONSTANTS = CostConstants(c0=2e-3, c_tok=1e-4, c_miss=4e-4, c_hit=2e-5, c_level=5e-4, c_draft0=1e-4)
+CACHES = {"lru": lambda: LRUCache(capacity=3), "full": FullCache, "none": NoCache}
+PREFETCHERS = {"none": NoPrefetcher, "lookahead": LookaheadPrefetcher, "draft": DraftPrefetcher,
+               "auto": AutoPrefetcher}
+_REF: list[int] = []
+
+
+def reference() -> list[int]:
+    if not _REF:
+        with torch.no_grad():
+            out = tiny_model().generate(torch.tensor([PROMPT]), max_new_tokens=N, min_new_tokens=N, do_sample=False)
+        _REF.extend(out[0].tolist())
+    return _REF
+
+
+def method_parts(method: str) -> dict:
+    """ar, eagle3 (scripted tree, EAGLE's selector, a predictor) and specfit on the tiny model."""
+    if method == "ar":
+        return {"selector": NoDraftSelector()}
+    drafter = ScriptedDrafter(reference(), vocab=256, branching=2, depth=3, total_tokens=8, miss=0.2, seed=1)
+    if method == "eagle3":
+        return {"drafter": drafter, "selector": TopByPathProbSelector(), "predictor": HistoryPredictor()}
+    return {"drafter": drafter, "selector": SpecFitSelector(draft_time="modelled", draft_gate=False),
+            "predictor": HistoryPredictor(), "cost_model": UnionCostModel(constants=CONSTANTS)}
+
+
+# --------------------------------------------------------------------------- the plug-in kind
+
+
+def test_builtins_are_registered_listed_and_a_config_group(capsys):
+    names = {e.name for e in get_plugins().entries() if e.kind == "prefetch"}
+    assert names == {"none", "lookahead", "draft", "auto"}
+    from specfit.commands import plugins
+
+    plugins.run()
+    listed = [line.split()[:2] for line in capsys.readouterr().out.splitlines()]
+    assert ["prefetch", "lookahead"] in listed and ["prefetch", "auto"] in listed
+    assert specfit.compose([]).prefetch.name == "none"  # the default: today's runs
+    cfg = specfit.compose(["prefetch=draft", "prefetch.min_benefit=0.5"])
+    made = get_plugins()["prefetch"].create(cfg.prefetch)
+    assert isinstance(made, DraftPrefetcher) and made.min_benefit == 0.5
+    with pytest.raises(specfit.errors.ConfigError, match="prefetch.source"):
+        get_plugins()["prefetch"].create(specfit.compose(["prefetch=lookahead", "prefetch.source=later"]).prefetch)
+    presets = specfit.compose([]).method_presets
+    for method in ("ar_prefetch", "eagle3_prefetch", "specfit_prefetch"):
+        assert "prefetch=auto" in presets[method]
+
+
+# --------------------------------------------------------------------------- lossless and sensible
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+@pytest.mark.parametrize("prefetcher", list(PREFETCHERS))
+def test_output_is_ar_output_for_every_prefetcher_cache_and_method(prefetcher, cache):
+    issued = {}
+    for method in ("ar", "eagle3", "specfit"):
+        engine = Engine(tiny_model(), cache=CACHES[cache](), prefetcher=PREFETCHERS[prefetcher](), device="cpu",
+                        **method_parts(method))
+        out = engine.generate(PROMPT, max_new_tokens=N)
+        assert out.token_ids == reference()[len(PROMPT):], (method, prefetcher, cache)
+        issued[method] = (out.stats["prefetch_issued"], out.stats["prefetch_used"])
+        check_slots(engine)
+    if prefetcher == "none" or cache != "lru":  # nothing to prefetch (full), or it cannot (none)
+        assert all(i == 0 for i, _ in issued.values())
+    elif prefetcher in ("lookahead", "auto"):  # every pass, AR included: issued and then used
+        assert all(i > 0 and u > 0 for i, u in issued.values()), issued
+    else:  # draft: only while drafting, with a predictor
+        assert issued["ar"] == (0, 0) and issued["eagle3"][0] > 0 and issued["specfit"][0] > 0, issued
+
+
+def check_slots(engine: Engine) -> None:
+    """Every slot holds exactly the expert the runtime says it holds (nothing corrupted)."""
+    runtime = engine.runtime
+    for layer, slots in enumerate(runtime.slots):
+        host = runtime.store.layers[layer]
+        if host is None:
+            continue
+        for slot, expert in enumerate(runtime.slot_expert[layer].tolist()):
+            if expert >= 0:
+                assert torch.equal(slots[slot], host[expert]), (layer, slot, expert)
+
+
+def test_demo_pair_with_prefetch_auto_decodes_ar_tokens_and_uses_its_prefetches():
+    demo = Path(specfit.__file__).parent / "assets" / "demo"
+    prompt = json.loads((demo / "prompts.jsonl").read_text().splitlines()[0])["prompt"]
+    presets = specfit.compose([]).method_presets
+    constants = ["cost_model.c0=2e-3", "cost_model.c_tok=1e-4", "cost_model.c_miss=4e-4", "cost_model.c_hit=2e-5",
+                 "cost_model.c_level=1e-4"]
+    outs = {}
+    for method in ("ar", "ar_prefetch", "specfit_prefetch"):
+        overrides = ["model=demo", *presets[method], "cache.capacity=8", "model.device=cpu"]
+        overrides += constants if "cost_model=union" in overrides else []
+        outs[method] = specfit.build(specfit.compose(overrides)).generate(prompt, max_new_tokens=12)
+    assert outs["specfit_prefetch"].token_ids == outs["ar_prefetch"].token_ids == outs["ar"].token_ids
+    for method in ("ar_prefetch", "specfit_prefetch"):
+        stats = outs[method].stats
+        assert stats["prefetch"] == "auto" and stats["prefetch_used"] > 0, method
+    # the same AR passes: experts prefetched ahead are hits, so the pass misses fewer
+    assert outs["ar_prefetch"].stats["expert_cache_hit_rate"] > outs["ar"].stats["expert_cache_hit_rate"]
+
+
+# --------------------------------------------------------------------------- a broken prefetcher
+
+
+@dataclass
+class BadConfig(PrefetcherConfig):
+    name: str = "bad"
+
+
+class BadPrefetcher(PrefetcherBase):
+    """Misbehaves in one way, in after_level (drafting) or in a layer hook (every pass)."""
+
+    name = "bad"
+    Config = BadConfig
+
+    def __init__(self, how: str, where: str = "after_level") -> None:
+        self.how, self.where = how, where
+
+    def bind(self, target, sink) -> None:
+        super().bind(target, sink)
+        if self.where == "hook":
+            block = target.model.get_submodule(target.runtime.spec.module_names[1].rpartition(".")[0])
+            block.register_forward_pre_hook(lambda *_: sink.run("layer hook", self.misbehave))
+
+    def after_level(self, tree, predicted, resident) -> None:
+        if self.where == "after_level":
+            self.misbehave()
+
+    def misbehave(self) -> None:
+        spec = self.sink.spec
+        self.sink.prefetch(0, [0])  # a good request first: it may be issued
+        if self.how == "raise":
+            raise KeyError("boom")
+        if self.how == "layer":
+            self.sink.prefetch(spec.num_layers, [0])
+        if self.how == "expert":
+            self.sink.prefetch(1, [1, spec.num_experts])
+        if self.how == "type":
+            self.sink.prefetch(1, [1.5])
+
+
+@pytest.mark.parametrize("where", ["after_level", "hook"])
+@pytest.mark.parametrize(("how", "message"), [
+    ("raise", r"raised KeyError: 'boom'"),
+    ("layer", r"prefetch layer \d+ is out of range"),
+    ("expert", r"layer 1: expert \d+ is out of range"),
+    ("type", r"layer 1: expert 1.5 is out of range"),
+])
+def test_a_broken_prefetcher_is_one_plugin_error_and_corrupts_no_slot(where, how, message):
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=3), prefetcher=BadPrefetcher(how, where), device="cpu",
+                    **method_parts("specfit"))
+    hook = "after_level" if where == "after_level" else "layer hook"
+    with pytest.raises(PluginError, match=rf"^prefetch 'bad' \({hook}\):? .*{message}") as info:
+        engine.generate(PROMPT, max_new_tokens=N)
+    assert "\n" not in str(info.value) and info.value.plugin == "bad" and info.value.kind == "prefetch"
+    check_slots(engine)
+
+
+# --------------------------------------------------------------------------- the draft budget
+
+
+class FakeSink:
+    """A sink with set link and layer times, recording requests."""
+
+    live = True
+
+    def __init__(self, expert_s: float, layer_s: float, queued: float = 0.0) -> None:
+        self.expert_s, self.layer_s, self.queued = expert_s, layer_s, queued
+        self.clock = 0.0
+        self.requests: list[tuple[int, list[int]]] = []
+
+    def now(self):
+        return self.clock
+
+    def arriving(self):
+        return None
+
+    def expert_seconds(self):
+        return self.expert_s
+
+    def layer_seconds(self, tokens):
+        return self.layer_s
+
+    def link_free_in(self):
+        return self.queued
+
+    def prefetch(self, layer, experts):
+        self.requests.append((layer, list(experts)))
+        return len(experts)
+
+
+def two_level_tree(layers: int = 3, k: int = 2) -> DraftTree:
+    tree = DraftTree(root_token=1)
+    tree.add_level([-1, -1], [2, 3], [np.log(0.9), np.log(0.1)])
+    tree.root_experts = np.array([[0, 1]] * layers)
+    rows = tree.expert_rows(layers, k)
+    rows[0] = [[2, 3]] * layers  # the likely node
+    rows[1] = [[4, 5]] * layers  # the unlikely one
+    return tree
+
+
+def test_draft_prefetch_orders_by_benefit_and_bounds_each_layer_by_the_link():
+    resident = np.zeros((3, 8), dtype=bool)
+    resident[:, 0] = True  # resident: never prefetched
+    pf = DraftPrefetcher(min_benefit=0.05)
+    pf.bind(None, FakeSink(expert_s=1.0, layer_s=2.0))
+    tree = two_level_tree()
+    plan = pf.plan(tree, [0, 1], resident)
+    # layer 0 runs now (no drafting time measured yet): nothing lands in time; by layer 1 (2 s) two
+    # copies, by layer 2 (4 s) two more; most likely first: the root's 1, then node 0's 2 and 3 (p 0.9)
+    assert plan == [(1, [1, 2]), (2, [1, 2])]
+    tree.add_level([0], [7], [np.log(0.5)])
+    tree.expert_rows(3, 2)
+    pf.sink.clock = 1.0  # the next level took 1 s: as long again of drafting may follow, one more copy each
+    assert pf.plan(tree, [0, 1, 2], resident) == [(0, [1]), (1, [1, 2]), (2, [1, 2])]
+    pf = DraftPrefetcher(min_benefit=0.05)
+    pf.bind(None, FakeSink(expert_s=0.0, layer_s=2.0))  # link time unknown: benefit alone bounds it
+    assert pf.plan(two_level_tree(), [0], resident) == [(layer, [1, 2, 3]) for layer in range(3)]
+    pf = DraftPrefetcher(min_benefit=0.5)
+    pf.bind(None, FakeSink(expert_s=1.0, layer_s=2.0, queued=3.0))  # 3 s of copies already queued
+    assert pf.plan(two_level_tree(), [0, 1], resident) == [(2, [1])]
+
+
+# --------------------------------------------------------------------------- replay
+
+
+def test_modelled_link_is_fifo_and_charges_the_wait_of_a_layer():
+    spec = tiny_model_spec()
+    cache = LRUCache(capacity=3)
+    slots = cache.bind(spec)
+    slot_expert = np.full((spec.num_layers, slots), -1, dtype=np.int64)
+    sink = ModelledSink(DraftPrefetcher(), spec, cache, slot_expert, CONSTANTS)
+    sink.begin_cycle()
+    copy = CONSTANTS.c_miss - CONSTANTS.c_hit
+    sink.at(0.0)
+    assert sink.prefetch(0, [1, 2]) == 2  # land at 1 and 2 copies
+    sink.at(0.5 * copy)
+    assert sink.prefetch(1, [3]) == 1  # queued behind them: lands at 3 copies
+    arriving = sink.arriving()
+    assert arriving[0, 1] == pytest.approx(0.5 * copy) and arriving[1, 3] == pytest.approx(2.5 * copy)
+    assert np.isinf(arriving[0, 3])
+    routing = np.zeros((1, spec.num_layers, spec.top_k), dtype=np.int64)
+    routing[0, 0, :2] = [1, 2]
+    routing[0, 1, :2] = [3, 0]
+    layer_s = sink.layer_seconds(1)
+    stall = sink.settle(routing, 1, start=copy)  # layer 0 runs at 1 copy: waits 1 for expert 2
+    wait0 = copy
+    wait1 = max(3 * copy - (copy + layer_s + wait0), 0.0)
+    assert stall == pytest.approx(wait0 + wait1) and sink.used == 3
+
+
+def tiny_model_spec():
+    from specfit.core.moe import find_experts, moe_spec
+
+    model = tiny_model()
+    return moe_spec(model, find_experts(model))
+
+
+def test_replay_models_draft_prefetch_and_says_lookahead_is_not_replayed():
+    from specfit.trace.record import record
+    from specfit.trace.replay import replay
+
+    ref = reference()
+    drafter = ScriptedDrafter(ref, vocab=256, branching=2, depth=3, total_tokens=8, miss=0.2, seed=1)
+    trace = record(Engine(tiny_model(), cache=LRUCache(capacity=3), drafter=drafter, device="cpu"), [PROMPT],
+                   max_new_tokens=N)
+
+    def run(prefetcher):
+        return replay(trace, SpecFitSelector(draft_time="modelled", draft_gate=False), LRUCache(capacity=3),
+                      UnionCostModel(constants=CONSTANTS), HistoryPredictor(), draft_time="modelled",
+                      model=tiny_model(), prefetcher=prefetcher)
+
+    plain, drafted = run(None), run(DraftPrefetcher()).summary()
+    assert drafted["prefetch_time"] == "modelled" and "modelled" in drafted["prefetch_note"]
+    assert drafted["prefetch_issued"] > 0 and drafted["prefetch_used"] > 0
+    assert drafted["decode_tokens"] == plain.summary()["decode_tokens"]
+    assert "prefetch" not in plain.summary()
+    auto = run(AutoPrefetcher()).summary()
+    assert "lookahead needs the target's live hidden states: it is not replayed" in auto["prefetch_note"]
