@@ -10,7 +10,8 @@
   (and :data:`ACCEPTED_KEY`, a key of its ``extra``), :class:`Admission`;
 - the ``hookimpl`` marker;
 - imported on first use (they pull in torch or the search's compiled code): ``CostConstants``,
-  ``SearchProblem``, ``MoESpec`` and ``resolve_capacity``.
+  ``SearchProblem``, ``MoESpec``, ``resolve_capacity`` and ``PrefetchSink`` (what a prefetcher's
+  ``bind`` receives).
 """
 
 from typing import TYPE_CHECKING, Any
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     from specfit.core.calibration import CostConstants
     from specfit.core.moe import MoESpec
     from specfit.core.offload import resolve_capacity
+    from specfit.core.prefetch import PrefetchSink
     from specfit.core.search import SearchProblem
 
 __all__ = [
@@ -89,6 +91,7 @@ __all__ = [
     "LinkConfig",
     "MoESpec",
     "PluginConfig",
+    "PrefetchSink",
     "PredictorConfig",
     "Prefetcher",
     "PrefetcherBase",
@@ -108,6 +111,7 @@ __all__ = [
 _LAZY = {
     "CostConstants": "specfit.core.calibration",
     "MoESpec": "specfit.core.moe",
+    "PrefetchSink": "specfit.core.prefetch",
     "resolve_capacity": "specfit.core.offload",
     "SearchProblem": "specfit.core.search",
 }
