@@ -229,3 +229,26 @@ def test_overlap_with_compute_is_measured_not_assumed():
     whole = runtime.stats
     assert whole.prefetch_issued > 0 and whole.prefetch_used == whole.prefetch_issued
     assert whole.prefetch_wasted == 0
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_a_prefetch_is_used_or_wasted(right):
+    """Two slots per layer (top-2): prefetching the decode pass's layer-0 experts during prefill's last
+    layer makes both hits (used); prefetching two others makes both evicted unused (wasted)."""
+    clock = FakeClock()
+    routing = recorded_routing(build(clock, capacity=2), PROMPT, 2)
+    needed = sorted(set(routing[1][0, 0].tolist()))
+    others = [e for e in range(16) if e not in needed and e not in routing[0][:, 0]][:2]
+    clock = FakeClock()
+    engine = build(clock, capacity=2)
+    runtime = engine.runtime
+
+    def at_last_layer(layer: int, hidden: torch.Tensor) -> None:
+        if runtime.stats.passes == 1 and layer == runtime.spec.num_layers - 1:
+            assert runtime.prefetch(0, needed if right else others) == 2
+
+    runtime.add_layer_listener(at_last_layer)
+    engine.generate(PROMPT, max_new_tokens=2)
+    stats = runtime.stats
+    assert stats.prefetch_issued == 2
+    assert (stats.prefetch_used, stats.prefetch_wasted) == ((2, 0) if right else (0, 2))
