@@ -97,3 +97,18 @@ def test_breakdown_shows_the_stall_apart_from_compute(tmp_path):
                                                              _prefetch_row("ar_prefetch", 0.05, 8, 6, 2))))
     text = write_report([path], tmp_path / "report").read_text()
     assert "pf recall" in text and "the share of the copies the passes needed" in text
+
+
+def test_bench_rows_and_table_carry_the_pipelined_figures(tmp_path, capsys):
+    """results.jsonl rows carry the stall, link and prefetch counts; the table prefetch's precision,
+    recall and stall per token, with the legend."""
+    main(["bench", "model=tiny", "methods=[ar,ar_prefetch]", "prompt_ids=[5,17,99]", "max_new_tokens=6",
+          "cache.copy=emulated", "cache.capacity=2", f"hydra.run.dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert "stall ms/tok" in out and "pf recall" in out and "prefetch: pf prec" in out
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    for row in rows:
+        for key in ("h2d_stall_seconds", "prefetch_issued", "prefetch_used", "prefetch_wasted", "link_busy_seconds"):
+            assert key in row, key
+    assert any(r["prefetch_issued"] for r in rows if r["method"] == "ar_prefetch")
+    assert not any(r["prefetch_issued"] for r in rows if r["method"] == "ar")

@@ -218,6 +218,9 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
                   f"{'greedy' if cfg.sampling.temperature == 0 else f'sampling T={cfg.sampling.temperature}'}")
             print(comparison_table(summary, baseline=cfg.baseline))
             print(f"output tokens identical across methods: {'yes' if identical else 'NO'}")
+            if any(r.get("prefetch_issued") for r in summary):
+                print("prefetch: pf prec = prefetched experts used / prefetched; pf recall = prefetched experts "
+                      "used / (those + misses); stall ms/tok = time compute waited on copies per output token")
             if answers_dir is not None:
                 _write_answers(answers_dir, answers, rows[-total:], engines)
     except KeyboardInterrupt:
