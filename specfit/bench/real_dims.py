@@ -14,7 +14,8 @@ saved in bf16 with ``save_pretrained``. Then measures one 60-token pass (a prefi
   numerics (``model.numerics``, where it exists), and for transformers' own model loaded with
   ``experts_implementation="grouped_mm"``; ratio to transformers;
 - **time**: median wall time per pass over ``--repeats`` passes after a warm-up, all methods
-  interleaved in one loop (a shared machine's drift spreads over all); ratio to transformers;
+  interleaved in one loop; the ratio to transformers is the median of the per-repeat ratios
+  (passes of one repeat run back to back, so a shared machine's changing load cancels out);
 - **memory**: peak host memory (``ru_maxrss``) of a fresh subprocess building the engine
   (``specfit.build``, bf16, ``cache=full`` and ``cache=lru``) or running transformers'
   ``from_pretrained``, minus that of a subprocess that only imported torch and transformers, as a
@@ -229,6 +230,13 @@ def timed(fn: Callable[[], Any], device: torch.device) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def paired_ratio(ms: list[float], reference: list[float]) -> float:
+    """The median over repeats of this method's time over the reference's in the same repeat: the
+    passes of one repeat run back to back, so a shared machine's load changing mid-run cancels out
+    (a ratio of medians would compare passes from different load regimes)."""
+    return statistics.median(m / r for m, r in zip(ms, reference))
+
+
 def peak_rss(kind: str, ckpt: Path, device: str, dtype: str, variant: dict[str, str]) -> int:
     """Peak resident bytes of a fresh interpreter doing ``kind`` (see :func:`_child`)."""
     cmd = [sys.executable, "-m", "specfit.bench.real_dims", "--child", kind, "--ckpt", str(ckpt),
@@ -360,9 +368,11 @@ def _pass_rows(args: argparse.Namespace, ckpt: Path, device: torch.device, varia
                             {**extra, "ops_per_layer": ops[name] / args.layers}, **common))
         if ms[name]:
             med, ref = statistics.median(ms[name]), statistics.median(ms[REFERENCE])
-            rows.append(Row("time", name, med, med / ref, BAR_TIME if name != REFERENCE else None,
-                            med / ref <= BAR_TIME if name != REFERENCE else None,
-                            {**extra, "ms": ms[name], "ms_per_layer": med / args.layers}, **common))
+            ratio = paired_ratio(ms[name], ms[REFERENCE])
+            rows.append(Row("time", name, med, ratio, BAR_TIME if name != REFERENCE else None,
+                            ratio <= BAR_TIME if name != REFERENCE else None,
+                            {**extra, "ms": ms[name], "ms_per_layer": med / args.layers,
+                             "ratio_of_medians": med / ref}, **common))
     return rows
 
 
