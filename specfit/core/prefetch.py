@@ -18,7 +18,6 @@ the compute time of one MoE layer of a pass, and when the link will be free.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -166,12 +165,7 @@ class LiveSink(PrefetchSink):
                       file=sys.stderr)
                 self._told = True
             return 0
-        arriving = self.arriving()
-        if arriving is not None:  # resident or already on its way: nothing to issue
-            experts = [e for e in experts if math.isinf(arriving[layer, e])]
-            if not experts:
-                return 0
-        return int(prefetch(layer, experts))
+        return int(prefetch(layer, experts))  # the runtime skips experts resident or in flight
 
     def arriving(self) -> np.ndarray | None:
         fn = getattr(self.runtime, "arriving", None)

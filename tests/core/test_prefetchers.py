@@ -315,3 +315,20 @@ def test_replay_models_draft_prefetch_and_says_lookahead_is_not_replayed():
     assert "prefetch" not in plain.summary()
     auto = run(AutoPrefetcher()).summary()
     assert "lookahead needs the target's live hidden states: it is not replayed" in auto["prefetch_note"]
+
+
+def test_specfit_replay_prints_that_prefetch_is_modelled(tmp_path, capsys):
+    from specfit.cli import main
+
+    costs = ["cost_model.c0=0.002", "cost_model.c_tok=0.0001", "cost_model.c_miss=0.0004",
+             "cost_model.c_hit=0.00002", "cost_model.c_level=0.0005"]
+    drafter = ["drafter=eagle3", "drafter.top_k=3", "drafter.depth=3", "drafter.total_tokens=6"]
+    main(["record", "model=tiny", *drafter, "~cost_model", "prompt_ids=[5,17,99,3,42]", "max_new_tokens=8",
+          f"trace.path={tmp_path / 'trace'}", f"hydra.run.dir={tmp_path / 'rec'}"])
+    main(["replay", f"trace.path={tmp_path / 'trace'}", "methods=[specfit_prefetch]", "cache.capacity=4", *costs,
+          "replay.draft_time=modelled", "replay.oracle=false", f"hydra.run.dir={tmp_path / 'run'}"])
+    out = capsys.readouterr().out
+    assert "prefetch=auto (specfit_prefetch): prefetch modelled on the replay's link" in out
+    assert "lookahead needs the target's live hidden states: it is not replayed" in out
+    row = json.loads((tmp_path / "run" / "results.jsonl").read_text())
+    assert row["prefetch"] == "auto" and row["prefetch_time"] == "modelled"

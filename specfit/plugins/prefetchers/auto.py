@@ -16,7 +16,7 @@ from specfit.plugins.prefetchers.lookahead import SOURCES, LookaheadPrefetcher
 @dataclass
 class AutoPrefetcherConfig(PrefetcherConfig):
     name: str = "auto"
-    source: str = "both"  # lookahead's: next | own | both
+    source: str = "own"  # lookahead's: own | next | both
     per_layer: int | None = None  # lookahead's cap per layer and pass
     min_benefit: float = 0.2  # draft's: skip experts used with a lower probability
     max_per_layer: int | None = None  # draft's cap per layer and level
@@ -34,7 +34,7 @@ class AutoPrefetcher(PrefetcherBase):
     name = "auto"
     Config = AutoPrefetcherConfig
 
-    def __init__(self, source: str = "both", per_layer: int | None = None, min_benefit: float = 0.2,
+    def __init__(self, source: str = "own", per_layer: int | None = None, min_benefit: float = 0.2,
                  max_per_layer: int | None = None) -> None:
         self.lookahead = LookaheadPrefetcher(source=source, per_layer=per_layer)
         self.draft = DraftPrefetcher(min_benefit=min_benefit, max_per_layer=max_per_layer)
