@@ -80,7 +80,9 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, gpu)
 print("transformers", transformers.__version__, "triton", triton_version, "host", platform.node())
 PY
 
-step 200 1-real-dims $PY -m specfit.bench.real_dims --device "$DEVICE" --workdir "$WORK" \
+step 150 1-real-dims $PY -m specfit.bench.real_dims --device "$DEVICE" --workdir "$WORK" --measures ops,time \
+  --out "$OUT/real_dims.jsonl" "${DIMS[@]}"
+step 120 1-real-dims-memory $PY -m specfit.bench.real_dims --device "$DEVICE" --workdir "$WORK" --measures memory \
   --out "$OUT/real_dims.jsonl" "${DIMS[@]}"
 step 100 1-real-dims-fp32 $PY -m specfit.bench.real_dims --device "$DEVICE" --workdir "$WORK" --dtype float32 \
   --numerics native --measures ops,time --out "$OUT/real_dims_fp32.jsonl" "${DIMS[@]}"

@@ -309,19 +309,24 @@ def main(argv: list[str] | None = None) -> int:
           f"{dims.experts} experts x {dims.intermediate}, top-{dims.top_k}, vocab {dims.vocab:,}; "
           f"{args.tokens}-token pass, cache=full, model.dtype={args.dtype}, device {device}; "
           f"settings found: {settings or 'none (expert compute: loop; numerics: model.dtype)'}")
-    rows: list[Row] = []
-    if measures & {"ops", "time"}:
-        rows += _pass_rows(args, ckpt, device, variants, common)
-    if "memory" in measures:
-        rows += _memory_rows(args, ckpt, variants, size, common)
-    _print(rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    rows: list[Row] = []
+    # each part's rows are appended as soon as it ends: a run cut short by a timeout keeps them
+    if measures & {"ops", "time"}:
+        rows += _append(out, _pass_rows(args, ckpt, device, variants, common))
+    if "memory" in measures:
+        rows += _append(out, _memory_rows(args, ckpt, variants, size, common))
+    _print(rows)
+    print(f"# appended {len(rows)} rows to {out}")
+    return 0
+
+
+def _append(out: Path, rows: list[Row]) -> list[Row]:
     with out.open("a") as f:
         for r in rows:
             f.write(json.dumps(asdict(r)) + "\n")
-    print(f"# appended {len(rows)} rows to {out}")
-    return 0
+    return rows
 
 
 def _pass_rows(args: argparse.Namespace, ckpt: Path, device: torch.device, variants: list[dict[str, str]],
