@@ -110,13 +110,13 @@ def dense(d: Path) -> None:
     AutoModelForCausalLM.from_config(config).save_pretrained(d)
 
 
-def gpt_oss(d: Path) -> None:
-    """A config of an MoE architecture whose experts use biases (the slot kernels have none)."""
+def ungated_moe(d: Path) -> None:
+    """A config of an MoE architecture whose experts have no gate (Nemotron-H: up and down only)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model("gpt_oss", vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-                                  layer_types=None)
+    config = AutoConfig.for_model("nemotron_h", vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=4,
+                                  num_experts_per_tok=2, moe_intermediate_size=32, hybrid_override_pattern="*E")
     config.save_pretrained(d)
 
 
@@ -210,7 +210,7 @@ CASES: dict[str, Case] = {
     "model_unknown_architecture": Case(model_case(lambda d: edit_json(d / "config.json", model_type="warp_drive")),
                                        ModelError, "warp_drive"),
     "model_dense_llama": Case(model_case(dense), ModelError, "is not a mixture-of-experts model"),
-    "model_unsupported_moe": Case(model_case(gpt_oss), ModelError, "unsupported MoE architecture"),
+    "model_unsupported_moe": Case(model_case(ungated_moe), ModelError, "unsupported MoE architecture"),
     "model_truncated_safetensors": Case(model_case(lambda d: truncate(d / "model.safetensors")), ModelError,
                                         "model.safetensors is truncated"),
     "model_empty_safetensors": Case(model_case(lambda d: (d / "model.safetensors").write_bytes(b"")), ModelError,

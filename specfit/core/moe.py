@@ -168,6 +168,11 @@ def find_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     found = [(n, m) for n, m in model.named_modules() if _is_experts_module(m)]
     for name, module in found:
         expert_layout(name, module)
+    for name, module in model.named_modules():  # stacked experts of another kind: say so, never "not MoE"
+        down = getattr(module, "down_proj", None)
+        if not _is_experts_module(module) and isinstance(down, torch.Tensor) and down.dim() == 3:
+            raise ModelError(f"experts module {name} ({type(module).__name__}) has no fused gate_up_proj "
+                             "(ungated experts): not supported yet")
     return found
 
 
