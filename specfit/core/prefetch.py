@@ -97,6 +97,10 @@ class PrefetchSink:
         """Link seconds of one expert copy (0.0: unknown)."""
         return 0.0
 
+    def capacity(self) -> int:
+        """Device slots per layer (a prefetch beyond them evicts what it just copied)."""
+        return self.spec.num_experts
+
     def layer_seconds(self, tokens: int) -> float:
         """Compute seconds of one MoE layer in a pass of ``tokens`` tokens (0.0: unknown)."""
         return 0.0
@@ -171,6 +175,9 @@ class LiveSink(PrefetchSink):
         fn = getattr(self.runtime, "arriving", None)
         return fn() if fn is not None else None
 
+    def capacity(self) -> int:
+        return int(self.runtime.slots_per_layer)
+
     def expert_seconds(self) -> float:
         engine = getattr(self.runtime, "copy_engine", None)
         charge = getattr(engine, "charge_seconds", None)
@@ -211,6 +218,9 @@ class ModelledSink(PrefetchSink):
         self.used = self.wasted = 0
         self.stall_seconds = 0.0
         self._cannot = False
+
+    def capacity(self) -> int:
+        return int(self.slot_expert.shape[1])
 
     def expert_seconds(self) -> float:
         """The calibration's extra cost of a miss over a hit: what one copy adds to a pass."""

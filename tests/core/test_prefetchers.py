@@ -202,8 +202,8 @@ class FakeSink:
 
     live = True
 
-    def __init__(self, expert_s: float, layer_s: float, queued: float = 0.0) -> None:
-        self.expert_s, self.layer_s, self.queued = expert_s, layer_s, queued
+    def __init__(self, expert_s: float, layer_s: float, queued: float = 0.0, slots: int = 8) -> None:
+        self.expert_s, self.layer_s, self.queued, self.slots = expert_s, layer_s, queued, slots
         self.clock = 0.0
         self.requests: list[tuple[int, list[int]]] = []
 
@@ -221,6 +221,9 @@ class FakeSink:
 
     def link_free_in(self):
         return self.queued
+
+    def capacity(self):
+        return self.slots
 
     def prefetch(self, layer, experts):
         self.requests.append((layer, list(experts)))
@@ -257,6 +260,11 @@ def test_draft_prefetch_orders_by_benefit_and_bounds_each_layer_by_the_link():
     pf = DraftPrefetcher(min_benefit=0.5)
     pf.bind(None, FakeSink(expert_s=1.0, layer_s=2.0, queued=3.0))  # 3 s of copies already queued
     assert pf.plan(two_level_tree(), [0, 1], resident) == [(2, [1])]
+    pf = DraftPrefetcher(min_benefit=0.05)
+    pf.bind(None, FakeSink(expert_s=0.0, layer_s=2.0, slots=3))  # 3 slots, one holds the root's expert 0
+    assert pf.plan(two_level_tree(), [0], resident) == [(layer, [1, 2]) for layer in range(3)]
+    resident[:, 2] = True  # 2 resident and likely used (0.9) too: one slot left to overwrite
+    assert pf.plan(two_level_tree(), [0], resident) == [(layer, [1]) for layer in range(3)]
 
 
 # --------------------------------------------------------------------------- replay

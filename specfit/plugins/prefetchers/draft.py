@@ -6,8 +6,9 @@ it: 1 - prod over nodes v of (1 - w_v [e in experts of v]), the root's weight 1 
 verified) and a node's its path probability (the chance the target gets that far, as EAGLE ranks).
 Experts resident or already on their way are skipped. The rest go to the link layer by layer (a
 FIFO link: the first layer's copies must land first), most beneficial first, as many as it can
-deliver before that layer runs: the drafting still to come (the last level's time) plus the pass's
-compute up to the layer, minus what the link has queued. The cache policy has the last word
+deliver before that layer runs (the drafting still to come, taken as the last level's time, plus
+the pass's compute up to the layer, minus what the link has queued) and no more than the layer's
+slots not holding an expert the pass is likely to use (a copy evicts one). The cache policy has the last word
 (``admit_prefetch``): it never evicts an expert in flight or in use.
 """
 
@@ -72,6 +73,9 @@ class DraftPrefetcher(PrefetcherBase):
             return []  # no predictor: nothing is known of the experts
         arriving = sink.arriving()
         present = resident if arriving is None else np.isfinite(arriving)
+        # a copy evicts some resident expert: only as many as the layer has slots not holding an
+        # expert the pass is likely to use
+        room_in_cache = sink.capacity() - (present & (benefit >= self.min_benefit)).sum(axis=1)
         benefit = np.where(present, 0.0, benefit)
         expert_s = sink.expert_seconds()
         layer_s = sink.layer_seconds(len(predicted) + 1)
@@ -81,6 +85,7 @@ class DraftPrefetcher(PrefetcherBase):
         for layer in range(benefit.shape[0]):
             order = np.argsort(-benefit[layer], kind="stable")
             take = [int(e) for e in order if benefit[layer, e] >= self.min_benefit and benefit[layer, e] > 0]
+            take = take[: max(int(room_in_cache[layer]), 0)]
             if self.max_per_layer is not None:
                 take = take[: self.max_per_layer]
             if expert_s > 0:  # what lands before this layer of the pass runs
@@ -98,19 +103,18 @@ def expected_use(tree: DraftTree, nodes: Sequence[int], fallback: int, layers: i
     expert, from the predictor's experts and the path probabilities; None without predictions."""
     if tree.root_experts is None and tree.experts is None:
         return None
-    miss = np.ones((layers, experts))  # probability that no node uses the expert
-    if tree.root_experts is not None:
-        for layer, row in enumerate(np.asarray(tree.root_experts)[:layers]):
-            picked = row[row >= 0]
-            miss[layer, picked] = 0.0
+    log_miss = np.zeros((layers, experts))  # log of the probability that no node uses the expert
     chosen = list(nodes) if len(nodes) else (tree.top_by_path_prob(fallback) if fallback and len(tree) else [])
     if tree.experts is not None and chosen:
         rows = np.asarray([v for v in chosen if v < tree.experts.shape[0]], dtype=np.int64)
         if rows.size:
             weights = np.exp(np.asarray(tree.path_log_probs, dtype=np.float64)[rows])
             predicted = np.asarray(tree.experts)[rows][:, :layers]  # [n, layers, k]
-            for w, node in zip(weights, predicted):
-                for layer, row in enumerate(node):
-                    picked = row[row >= 0]
-                    miss[layer, picked] *= 1.0 - w
-    return 1.0 - miss
+            node, layer, _ = np.nonzero(predicted >= 0)
+            np.add.at(log_miss, (layer, predicted[predicted >= 0]), np.log1p(-np.minimum(weights[node], 1 - 1e-12)))
+    use = 1.0 - np.exp(log_miss)
+    if tree.root_experts is not None:  # the root is verified in every pass
+        root = np.asarray(tree.root_experts)[:layers]
+        layer, _ = np.nonzero(root >= 0)
+        use[layer, root[root >= 0]] = 1.0
+    return use
