@@ -151,7 +151,8 @@ class Cycle:
                 max_depth=depth_limit,
                 max_nodes=max_nodes,
                 cost_model=self.cost_model,
-                arriving=arriving(verifier),
+                # copies in flight between passes come only from a prefetcher: without one, today's context
+                arriving=arriving(verifier) if self.prefetcher is not None else None,
                 extra=verifier.extra,
             )
             selection = guard.check_selection(selector, tree, guard.call("selector", selector, "select", tree, ctx))
