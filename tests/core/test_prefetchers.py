@@ -261,10 +261,12 @@ def test_draft_prefetch_orders_by_benefit_and_bounds_each_layer_by_the_link():
     pf.bind(None, FakeSink(expert_s=1.0, layer_s=2.0, queued=3.0))  # 3 s of copies already queued
     assert pf.plan(two_level_tree(), [0, 1], resident) == [(2, [1])]
     pf = DraftPrefetcher(min_benefit=0.05)
-    pf.bind(None, FakeSink(expert_s=0.0, layer_s=2.0, slots=3))  # 3 slots, one holds the root's expert 0
-    assert pf.plan(two_level_tree(), [0], resident) == [(layer, [1, 2]) for layer in range(3)]
-    resident[:, 2] = True  # 2 resident and likely used (0.9) too: one slot left to overwrite
-    assert pf.plan(two_level_tree(), [0], resident) == [(layer, [1]) for layer in range(3)]
+    pf.bind(None, FakeSink(expert_s=0.0, layer_s=2.0, slots=4))  # 4 slots, one holds the root's expert 0
+    assert pf.plan(two_level_tree(), [0], resident) == [(layer, [1, 2, 3]) for layer in range(3)]
+    resident[:, 2] = True  # 2 resident and likely used (0.9) too: two slots left to overwrite
+    assert pf.plan(two_level_tree(), [0], resident) == [(layer, [1, 3]) for layer in range(3)]
+    pf.sink.slots = 3  # the pass is expected to use 3.8 experts per layer, more than its slots: no prefetch
+    assert pf.plan(two_level_tree(), [0], resident) == []
 
 
 # --------------------------------------------------------------------------- replay
