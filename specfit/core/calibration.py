@@ -228,9 +228,13 @@ def run_calibration(engine: Any, prompts: Sequence[Any], max_new_tokens: int, se
     ``selector``): its own selector is neither replaced nor touched."""
     sweep = SizeSweepSelector(seed)
     records: list[CycleRecord] = []
+    link = stalled = 0.0  # the runs' link time and the part of it compute waited for
     with progress(len(prompts), "calibrate", unit="prompt") as bar:
         for prompt in prompts:
-            records += engine.generate(prompt, max_new_tokens=max_new_tokens, selector=sweep).cycles
+            out = engine.generate(prompt, max_new_tokens=max_new_tokens, selector=sweep)
+            records += out.cycles
+            link += float(out.stats.get("link_busy_seconds", 0.0))
+            stalled += float(out.stats.get("h2d_stall_seconds", 0.0))
             bar.update()
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(records))
@@ -249,10 +253,8 @@ def run_calibration(engine: Any, prompts: Sequence[Any], max_new_tokens: int, se
         "cycle_time_ape_median": float(np.median(errors)),
         "cycle_time_ape_p90": float(np.quantile(errors, 0.9)),
     }
-    if overlap:  # the share of the issued transfer time that compute and drafting hid
-        issued = sum(r.h2d_seconds for r in records)
-        visible = sum(visible_copy_seconds(r, True) for r in records)
-        report["copy_overlap"] = float(1.0 - visible / issued) if issued > 0 else 0.0
+    if overlap:  # the share of the link's transfer time (prefetches included) that other work hid
+        report["copy_overlap"] = float(1.0 - stalled / link) if link > 0 else 0.0
     return constants, report
 
 

@@ -175,3 +175,27 @@ def test_calibration_fits_the_overlap_it_observes() -> None:
         r.h2d_stall_seconds = r.h2d_seconds
     assert fit_constants(sync, overlap=True).c_miss == pytest.approx(fit_constants(sync).c_miss, rel=1e-9)
     assert fit_constants(sync).c_miss - C.c_hit == pytest.approx(4e-3, rel=1e-6)
+
+
+def test_a_pipelined_calibration_reports_its_overlap_and_names_the_prefetcher() -> None:
+    """Lookahead prefetch over the emulated link: calibration fits the stall (pipelined), reports the
+    hidden share of the link time, and stores under a fingerprint naming the prefetcher; without a
+    prefetcher the fingerprint is today's (no prefetch key)."""
+    from conftest import tiny_model
+
+    from specfit import Engine
+    from specfit.core.calibration import pipelined, run_calibration, setup_fingerprint
+    from specfit.plugins.caches.lru import LRUCache
+    from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher
+    from specfit.plugins.selectors.none import NoDraftSelector
+
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=3), selector=NoDraftSelector(), copy="emulated",
+                    prefetcher=LookaheadPrefetcher(), device="cpu")
+    assert pipelined(engine) and setup_fingerprint(engine)["prefetch"] == "lookahead"
+    prompts = [[5, 17, 99, 3], [42, 8, 120, 77], [9, 10, 11, 12]]
+    constants, report = run_calibration(engine, prompts, max_new_tokens=6)
+    # hidden share of the link time: at most all of it (below 0 only when a loaded host oversleeps)
+    assert math.isfinite(report["copy_overlap"]) and report["copy_overlap"] <= 1.0
+    assert all(math.isfinite(v) and v >= 0 for v in (constants.c0, constants.c_tok, constants.c_hit, constants.c_miss))
+    plain = Engine(tiny_model(), cache=LRUCache(capacity=3), selector=NoDraftSelector(), copy="emulated", device="cpu")
+    assert not pipelined(plain) and "prefetch" not in setup_fingerprint(plain)
