@@ -2,8 +2,10 @@
 
 After each draft level the predictor has said which experts every node will use; the selector has
 said which nodes it would verify now. An expert's benefit is the probability that the pass uses
-it: 1 - prod over nodes v of (1 - w_v [e in experts of v]), the root's weight 1 (it is always
-verified) and a node's its path probability (the chance the target gets that far, as EAGLE ranks).
+it: 1 - prod over nodes v of (1 - w_v [e in experts of v]), w_v = 1 for the root and the selected
+nodes (a verification pass runs every token it verifies, accepted or not) and, before the selector
+has chosen any, the path probability of the likeliest nodes; equals are ranked by how many nodes
+use the expert.
 Experts resident or already on their way are skipped. The rest go to the link layer by layer (a
 FIFO link: the first layer's copies must land first), most beneficial first, as many as it can
 deliver before that layer runs (the drafting still to come, taken as the last level's time, plus
@@ -71,9 +73,10 @@ class DraftPrefetcher(PrefetcherBase):
         else:
             self._level_seconds = max(now - self._last_level_at, 0.0)
         self._last_level_at = now
-        benefit = expected_use(tree, predicted, self.fallback_nodes, *resident.shape)
-        if benefit is None:
+        expected = expected_use(tree, predicted, self.fallback_nodes, *resident.shape)
+        if expected is None:
             return []  # no predictor: nothing is known of the experts
+        benefit, weight = expected
         arriving = sink.arriving()
         present = resident if arriving is None else np.isfinite(arriving)
         # a copy evicts some resident expert: only as many as the layer has slots not holding an
@@ -90,7 +93,7 @@ class DraftPrefetcher(PrefetcherBase):
         lead = self._level_seconds  # the drafting still to come, if the selector goes on
         plan, issued = [], 0
         for layer in range(benefit.shape[0]):
-            order = np.argsort(-benefit[layer], kind="stable")
+            order = np.lexsort((-weight[layer], -benefit[layer]))  # likeliest, then used by most nodes
             take = [int(e) for e in order if benefit[layer, e] >= self.min_benefit and benefit[layer, e] > 0]
             take = take[: max(int(room_in_cache[layer]), 0)]
             if self.max_per_layer is not None:
@@ -105,23 +108,33 @@ class DraftPrefetcher(PrefetcherBase):
         return plan
 
 
-def expected_use(tree: DraftTree, nodes: Sequence[int], fallback: int, layers: int, experts: int) -> np.ndarray | None:
-    """float [layers, experts]: the probability the verification of ``nodes`` (and the root) uses each
-    expert, from the predictor's experts and the path probabilities; None without predictions."""
+def expected_use(tree: DraftTree, nodes: Sequence[int], fallback: int, layers: int,
+                 experts: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The predicted experts of the verification pass, [layers, experts] each: the probability it
+    uses each one (1 for the root's and the selected nodes': they are verified whatever the target
+    accepts; a fallback node's path probability otherwise) and the weight of the nodes using it (the
+    root counts as all of them), to rank equals. None without predictions."""
     if tree.root_experts is None and tree.experts is None:
         return None
     log_miss = np.zeros((layers, experts))  # log of the probability that no node uses the expert
+    weight = np.zeros((layers, experts))
     chosen = list(nodes) if len(nodes) else (tree.top_by_path_prob(fallback) if fallback and len(tree) else [])
     if tree.experts is not None and chosen:
         rows = np.asarray([v for v in chosen if v < tree.experts.shape[0]], dtype=np.int64)
         if rows.size:
-            weights = np.exp(np.asarray(tree.path_log_probs, dtype=np.float64)[rows])
+            if len(nodes):
+                weights = np.ones(rows.size)
+            else:
+                weights = np.exp(np.asarray(tree.path_log_probs, dtype=np.float64)[rows])
             predicted = np.asarray(tree.experts)[rows][:, :layers]  # [n, layers, k]
             node, layer, _ = np.nonzero(predicted >= 0)
-            np.add.at(log_miss, (layer, predicted[predicted >= 0]), np.log1p(-np.minimum(weights[node], 1 - 1e-12)))
+            picked = predicted[predicted >= 0]
+            np.add.at(log_miss, (layer, picked), np.log1p(-np.minimum(weights[node], 1 - 1e-12)))
+            np.add.at(weight, (layer, picked), weights[node])
     use = 1.0 - np.exp(log_miss)
     if tree.root_experts is not None:  # the root is verified in every pass
         root = np.asarray(tree.root_experts)[:layers]
         layer, _ = np.nonzero(root >= 0)
         use[layer, root[root >= 0]] = 1.0
-    return use
+        weight[layer, root[root >= 0]] += len(chosen) + 1
+    return use, weight
