@@ -15,6 +15,10 @@ prompts x 32 tokens x 2, interleaved, a shared 2-core machine): no prefetch 1105
 7.4 ms stall, 5.3 ms link; ``own`` 268 misses (1021 of 1222 used), 4.9 ms stall, 4.6 ms link;
 ``both`` 314 misses (1181 of 1591 used), 4.6 ms stall, 5.9 ms link and the most hook time. ``own``
 removes three quarters of the demand misses with the fewest wasted copies, hence the default.
+On a quieter run (same setup, ``prefetch=auto``): stall 2.63 -> 1.09 ms per token, but time per
+token 11.86 -> 11.90 ms: on a CPU the copies (the emulated link's real memcpy and its bookkeeping,
+1224 prefetches for 1021 used) and the hooks (about 0.8 ms per token) cost the host the time the
+hidden stall saved.
 Every token of the pass counts (AR steps, prefill and verification passes alike); each layer's
 experts go to the link most-picked first, at most ``per_layer`` of them.
 """
