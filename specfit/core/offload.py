@@ -266,7 +266,7 @@ class OffloadRuntime:
             return 0
         protected = self._protected(layer) | kept
         admission = guard.call("cache", self.policy, "admit_prefetch", layer, list(candidates), protected)
-        _check_prefetch(self.policy, self.slot_expert[layer], layer, candidates, protected, admission)
+        check_prefetch_admission(self.policy, self.slot_expert[layer], layer, candidates, protected, admission)
         if not admission.loads:
             return 0
         for expert, slot in admission.loads:
@@ -453,10 +453,12 @@ def admission_rounds(policy: ExpertCache, slot_expert: np.ndarray, layer: int, n
         remaining = [e for e in remaining if e not in admission.slots]
 
 
-def _check_prefetch(policy: ExpertCache, slots: np.ndarray, layer: int, candidates: list[int],
-                    protected: frozenset[int], admission: Any) -> None:
-    """A prefetch admission the runtime may copy: loads of wanted candidates into distinct slots in
-    range, never over a protected expert (in flight or needed by the layer now computing)."""
+def check_prefetch_admission(policy: ExpertCache, slots: np.ndarray, layer: int, candidates: list[int],
+                             protected: frozenset[int], admission: Any) -> list[tuple[int, int]]:
+    """The (expert, slot) loads of a prefetch admission the runtime may copy: wanted candidates into
+    distinct slots in range, never over a protected expert (in flight or needed by the layer now
+    computing). ``slots`` is the layer's real slot contents; live decoding and the replay's modelled
+    link check with this one function. A violation is a PluginError naming the cache."""
     def bad(message: str) -> PluginError:
         return guard.violation("cache", policy, "admit_prefetch", f"layer {layer}: {message}")
 
@@ -481,6 +483,7 @@ def _check_prefetch(policy: ExpertCache, slots: np.ndarray, layer: int, candidat
         if int(slots[slot]) in protected:
             raise bad(f"evicts expert {int(slots[slot])} from slot {slot}, which is in flight or needed by the "
                       "layer now computing")
+    return [(int(e), int(s)) for e, s in loaded.items()]
 
 
 def _check_admission(policy: ExpertCache, slots: np.ndarray, layer: int, wanted: list[int], admission: Admission) -> None:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from specfit.core import guard
+from specfit.core.offload import check_prefetch_admission
 from specfit.errors import PluginError, SpecfitError
 
 KIND = "prefetch"  # the plug-in kind, as errors name it: "prefetch 'draft' (after_level): ..."
@@ -297,44 +298,6 @@ class ModelledSink(PrefetchSink):
         for layer, expert in [key for key in self._pending if key[1] not in self.slot_expert[key[0]]]:
             del self._pending[(layer, expert)]
             self.wasted += 1
-
-
-def check_prefetch_admission(cache: Any, row: np.ndarray, layer: int, candidates: list[int],
-                             protected: frozenset[int], admission: Any) -> list[tuple[int, int]]:
-    """The loads of a prefetch admission, checked against the slots' real contents: wanted experts,
-    slots in range, one expert per slot, never evicting a protected expert. A PluginError names the cache."""
-    def bad(message: str) -> PluginError:
-        return guard.violation("cache", cache, "admit_prefetch", f"layer {layer}: {message}")
-
-    loads = getattr(admission, "loads", None)
-    slots = getattr(admission, "slots", None)
-    if not isinstance(slots, dict) or not isinstance(loads, (list, tuple)):
-        raise bad(f"returned {type(admission).__name__}, expected an Admission(slots: dict, loads: list)")
-    wanted, seen_slots, seen = set(candidates), set(), set()
-    out = []
-    for pair in loads:
-        try:
-            expert, slot = (int(x) for x in pair)
-        except (TypeError, ValueError):
-            raise bad("loads must be (expert, slot) pairs") from None
-        if expert not in wanted:
-            raise bad(f"loads expert {expert}, which was not a candidate")
-        if not 0 <= slot < len(row):
-            raise bad(f"loads expert {expert} into slot {slot}, outside 0..{len(row) - 1}")
-        if slot in seen_slots or expert in seen:
-            raise bad("loads two experts into one slot, or one expert twice")
-        if int(row[slot]) in protected:
-            raise bad(f"evicts expert {int(row[slot])}, which is protected (in flight or in use)")
-        seen_slots.add(slot)
-        seen.add(expert)
-        out.append((expert, slot))
-    try:
-        same = dict(out) == {int(e): int(v) for e, v in slots.items()}
-    except (TypeError, ValueError):
-        same = False
-    if not same:
-        raise bad("slots and loads differ: a prefetch admits exactly the experts it loads")
-    return out
 
 
 def _constants(cost_model: Any) -> Any:
