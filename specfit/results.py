@@ -10,8 +10,9 @@ from typing import Any, Iterable, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from specfit.files import append_jsonl_lines
+from specfit.interfaces.configs import PLUGIN_BASES
 
-PLUGIN_KINDS = ("drafter", "selector", "cost_model", "predictor", "cache")
+PLUGIN_KINDS = tuple(PLUGIN_BASES)  # every plug-in kind, so no section is recorded unresolved
 
 
 def append_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> Path:
