@@ -142,6 +142,10 @@ def setup_fingerprint(engine: Any) -> dict[str, Any]:
         # constants fitted under prefetch differ (the overlap); without it the fingerprint, and so
         # the stored calibration's name, is as before
         **({"prefetch": engine.info["prefetch"]} if engine.info.get("prefetch", "none") != "none" else {}),
+        # numerics=exact over half-precision experts computes in float32: other timings, so another
+        # file; where dense and expert dtypes agree the fingerprint is as before
+        **({"dense_dtype": engine.info["dense_dtype"]}
+           if engine.info.get("dense_dtype", engine.info.get("expert_dtype")) != engine.info.get("expert_dtype") else {}),
         # drafting costs depend on the drafter's settings, not only on its kind
         "drafter": {"name": engine.drafter.name, "depth": engine.drafter.depth, "total_tokens": engine.drafter.total_tokens,
                     "top_k": getattr(engine.drafter, "top_k", None), "head": None if head == model_head else head,
