@@ -194,7 +194,8 @@ def _ids_to_device(src: torch.Tensor, dst: torch.Tensor, device: torch.device) -
 
 
 class _StreamedCopy:
-    """Runs an engine's enqueue function on a dedicated copy stream (CUDA) or inline (CPU)."""
+    """Runs an engine's enqueue function on a dedicated copy stream (CUDA) or inline (CPU); an engine
+    supplies ``_prepare`` (its checks and its data movement), this class the copy and issue around it."""
 
     def __init__(self, device: torch.device | str | None, timing: Timing, order_after_compute: bool) -> None:
         if timing not in ("wall", "events", "none"):
@@ -219,6 +220,20 @@ class _StreamedCopy:
         if self.device is None or self.device.type != "cuda":
             return None
         return self.copy_stream_for(self.device)
+
+    def copy(
+        self, store: torch.Tensor, src_ids: torch.Tensor, slots: torch.Tensor, dst_slots: torch.Tensor
+    ) -> CopyRecord:
+        n, nbytes, enqueue = self._prepare(store, src_ids, slots, dst_slots)  # the engine's own data movement
+        return CopyRecord(n, nbytes, self._run(slots, enqueue) if n else 0.0)
+
+    def issue(
+        self, store: torch.Tensor, src_ids: torch.Tensor, slots: torch.Tensor, dst_slots: torch.Tensor
+    ) -> CopyTicket:
+        n, nbytes, enqueue = self._prepare(store, src_ids, slots, dst_slots)
+        if n == 0:
+            return CopyTicket(0, 0, 0.0, time.perf_counter())
+        return self._issue(slots, enqueue, n, nbytes)
 
     def _run(self, slots: torch.Tensor, enqueue: Callable[[], None]) -> float:
         """Run ``enqueue`` synchronously (a copy is its issue and its wait); its seconds as timed."""
@@ -303,20 +318,6 @@ class TorchCopyEngine(_StreamedCopy):
         order_after_compute: bool = True,
     ) -> None:
         super().__init__(device, timing, order_after_compute)
-
-    def copy(
-        self, store: torch.Tensor, src_ids: torch.Tensor, slots: torch.Tensor, dst_slots: torch.Tensor
-    ) -> CopyRecord:
-        n, nbytes, enqueue = self._prepare(store, src_ids, slots, dst_slots)
-        return CopyRecord(n, nbytes, self._run(slots, enqueue) if n else 0.0)
-
-    def issue(
-        self, store: torch.Tensor, src_ids: torch.Tensor, slots: torch.Tensor, dst_slots: torch.Tensor
-    ) -> CopyTicket:
-        n, nbytes, enqueue = self._prepare(store, src_ids, slots, dst_slots)
-        if n == 0:
-            return CopyTicket(0, 0, 0.0, time.perf_counter())
-        return self._issue(slots, enqueue, n, nbytes)
 
     def _prepare(self, store: torch.Tensor, src_ids: Any, slots: torch.Tensor,
                  dst_slots: Any) -> tuple[int, int, Callable[[], None]]:
@@ -461,20 +462,6 @@ class TritonCopyEngine(_StreamedCopy):
             raise RuntimeError(
                 f"the Triton copy engine needs the triton package ({exc}); install triton or use cache.copy=torch"
             ) from exc
-
-    def copy(
-        self, store: torch.Tensor, src_ids: torch.Tensor, slots: torch.Tensor, dst_slots: torch.Tensor
-    ) -> CopyRecord:
-        n, nbytes, enqueue = self._prepare(store, src_ids, slots, dst_slots)
-        return CopyRecord(n, nbytes, self._run(slots, enqueue) if n else 0.0)
-
-    def issue(
-        self, store: torch.Tensor, src_ids: torch.Tensor, slots: torch.Tensor, dst_slots: torch.Tensor
-    ) -> CopyTicket:
-        n, nbytes, enqueue = self._prepare(store, src_ids, slots, dst_slots)
-        if n == 0:
-            return CopyTicket(0, 0, 0.0, time.perf_counter())
-        return self._issue(slots, enqueue, n, nbytes)
 
     def _prepare(self, store: torch.Tensor, src_ids: Any, slots: torch.Tensor,
                  dst_slots: Any) -> tuple[int, int, Callable[[], None]]:
