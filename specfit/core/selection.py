@@ -118,6 +118,7 @@ class CostAwareSelector(SelectorBase):
         self.estimator = estimator_named(acceptance, key="selector.acceptance")
         self.acceptance_score = AcceptanceScore(estimator=self.estimator.name)
         self.gate = DraftGate(gate_max_backoff) if draft_gate else None
+        self._drafted_since_plain = 0  # drafted cycles since a plain pass was last timed
         self.keeper: Any = None  # set by specfit.core.setup_state: saves what the gate and estimator learned
         self._estimates: np.ndarray | None = None  # the last selection's a_v, scored once the outcome is known
         self._previous_rho = self._plain_seconds = 0.0
@@ -216,6 +217,7 @@ class CostAwareSelector(SelectorBase):
         if not drafted:
             if self.draft_time == "measured":
                 self.gate.plain(seconds)
+                self._drafted_since_plain = 0
             return
         if predicted is None:  # drafted, but no selection was made (cannot happen in the decode loop)
             return
@@ -223,6 +225,14 @@ class CostAwareSelector(SelectorBase):
         if self.draft_time == "modelled" or self.gate.plain_passes == 0.0:
             self.gate.plain(predicted_plain)
         self.gate.speculated(committed, predicted_seconds if self.draft_time == "modelled" else seconds)
+        if self.draft_time == "measured":
+            # A plain pass timed long ago (under other load, or in an earlier run: the gate's state
+            # persists per setup) must not decide for ever: while drafting wins, one cycle in
+            # gate_max_backoff verifies the root alone and re-times the alternative.
+            self._drafted_since_plain += 1
+            if self._drafted_since_plain >= self.gate.max_backoff and self.gate.skip_left == 0:
+                self.gate.skip_left = 1
+                self._drafted_since_plain = 0
 
 
 _TAKES_ARRIVING: dict[type, bool] = {}

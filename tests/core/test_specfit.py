@@ -252,6 +252,22 @@ def test_draft_gate_times_plain_passes_when_drafting_is_measured():
     assert selector.should_draft()
 
 
+def test_draft_gate_re_times_plain_passes_while_drafting_wins():
+    """A slow plain time (measured under load, or loaded from an earlier run's state) must not keep
+    the gate drafting for ever: every gate_max_backoff drafted cycles one cycle is plain."""
+    selector = SpecFitSelector(gate_max_backoff=3)
+    selector.gate.plain(0.050)  # a stale measurement: 20 passes/s
+    plain_cycles = []
+    for cycle in range(7):
+        if not selector.should_draft():
+            plain_cycles.append(cycle)
+            selector.observe_time(False, 1, 0.050)
+            continue
+        _select_once(selector, 0.029)
+        selector.observe_time(True, 2, 0.030)  # 67 tok/s: drafting wins against 20 passes/s
+    assert plain_cycles == [3]  # after three drafted cycles, one plain probe; then drafting again
+
+
 class NoisyClock:
     """``time.perf_counter`` on a loaded machine: every reading comes a random delay (exponential,
     mean ``scale`` seconds) later than the last, so every measured interval is jittered."""
