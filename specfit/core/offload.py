@@ -266,14 +266,14 @@ class OffloadRuntime:
             return 0
         protected = self._protected(layer) | kept
         admission = guard.call("cache", self.policy, "admit_prefetch", layer, list(candidates), protected)
-        check_prefetch_admission(self.policy, self.slot_expert[layer], layer, candidates, protected, admission)
-        if not admission.loads:
+        loads = check_prefetch_admission(self.policy, self.slot_expert[layer], layer, candidates, protected, admission)
+        if not loads:
             return 0
-        for expert, slot in admission.loads:
+        for expert, slot in loads:
             self.slot_expert[layer, slot] = expert
-        self._issue(layer, admission.loads, prefetch=True)
-        self.stats.prefetch_issued += len(admission.loads)
-        return len(admission.loads)
+        self._issue(layer, loads, prefetch=True)
+        self.stats.prefetch_issued += len(loads)
+        return len(loads)
 
     def arriving(self) -> np.ndarray:
         """float [layers, experts]: seconds until each expert is usable: 0.0 resident and arrived,

@@ -18,7 +18,6 @@ the compute time of one MoE layer of a pass, and when the link will be free.
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -160,21 +159,12 @@ class LiveSink(PrefetchSink):
         super().__init__(prefetcher, runtime.spec)
         self.runtime, self.cost_model = runtime, cost_model
         self._layer_ema = 0.0  # measured compute seconds per MoE layer and token of a pass
-        self._told = False
 
     def _issue(self, layer: int, experts: list[int]) -> int:
-        prefetch = getattr(self.runtime, "prefetch", None)
-        if prefetch is None:
-            if not self._told:
-                print("specfit: note: this runtime cannot prefetch (no OffloadRuntime.prefetch): prefetches are dropped",
-                      file=sys.stderr)
-                self._told = True
-            return 0
-        return int(prefetch(layer, experts))  # the runtime skips experts resident or in flight
+        return self.runtime.prefetch(layer, experts)  # the runtime skips experts resident or in flight
 
     def arriving(self) -> np.ndarray | None:
-        fn = getattr(self.runtime, "arriving", None)
-        return fn() if fn is not None else None
+        return self.runtime.arriving()
 
     def capacity(self) -> int:
         return int(self.runtime.slots_per_layer)
