@@ -49,7 +49,7 @@ from specfit.training.draft_vocab import DraftVocab, build_draft_vocab, token_co
 RESUME_FIELDS = (
     "draft_vocab_size", "aux_layers", "head_intermediate_size", "ttt_steps", "step_weight_decay",
     "include_builtin_data", "gsm_per_template", "gsm_seed", "train_files", "seq_len", "batch_size",
-    "max_steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "seed",
+    "max_steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "seed", "init_from",
 )
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -108,6 +108,9 @@ class TrainDrafterConfig:
     eval_windows: int = 32  # held-out windows for eval loss / per-step accuracy (0: no eval)
     checkpoint_every: int = 100
     resume: bool = False
+    # a head directory (public EAGLE-3 layout) whose weights start the run: continue training a
+    # shipped head with a new schedule (its shape and draft vocabulary must match this run's)
+    init_from: str | None = None
     stop_after_steps: int | None = None  # checkpoint and return at this step (time-sliced runs)
     progress: bool | None = None  # None: a bar on a terminal, else a line per log_every steps; false: neither
     save_dtype: str = "float32"
@@ -578,7 +581,9 @@ def train_drafter(cfg: TrainDrafterConfig) -> Path:
         truncate_log(log, step)  # records after the checkpoint belong to a run that was lost
         log.write(event="resume", step=step, tokens=tokens_seen)
     else:
-        log.write(event="start", head_parameters=sum(p.numel() for p in head.parameters()),
+        if cfg.init_from:
+            _init_from(head, cfg.init_from)
+        log.write(event="start", init_from=cfg.init_from, head_parameters=sum(p.numel() for p in head.parameters()),
                   draft_vocab_size=vocab.size, feature_layers=layers, train_tokens=int(len(data.tokens)),
                   tokens_planned=cfg.max_steps * cfg.batch_size * cfg.seq_len)
     del state
@@ -656,6 +661,26 @@ def train_drafter(cfg: TrainDrafterConfig) -> Path:
     write_json(out / "training_summary.json", summary)
     log.write(event="done", **summary)
     return out
+
+
+def _init_from(head: Any, path: str) -> None:
+    """Start ``head`` from the weights of the head saved at ``path`` (same shape and vocabulary)."""
+    import torch
+
+    from specfit.plugins.drafters.eagle3.checkpoint import load_head
+
+    saved = load_head(path).state_dict()
+    own = head.state_dict()
+    bad = sorted(k for k in own if k in saved and own[k].shape != saved[k].shape)
+    missing = sorted(k for k in own if k not in saved and not k.startswith("rotary."))
+    if bad or missing:
+        raise ValueError(f"init_from={path}: the head does not match this run's shape "
+                         f"(wrong shape: {bad[:4]}, missing: {missing[:4]}); use the same aux_layers, "
+                         "draft_vocab_size and head sizes")
+    with torch.no_grad():
+        for name, tensor in own.items():
+            if name in saved:
+                tensor.copy_(saved[name].to(tensor.dtype))
 
 
 class _Window:

@@ -204,6 +204,24 @@ def test_resume_continues_exactly_with_a_reduced_draft_vocabulary(patterned, tmp
         train_drafter(_config(patterned, tmp_path / "b", resume=True, **{**kw, "draft_vocab_size": 64}))
 
 
+def test_init_from_starts_at_the_saved_head_and_continues_training(patterned, trained_head, tmp_path):
+    """``init_from`` continues a shipped head: step 0 is the saved head (same held-out loss), then it trains."""
+    evaluated = dict(eval_files=[str(patterned["train"])], eval_windows=8, eval_every=1, lr=1e-3)
+    zero = train_drafter(_config(patterned, tmp_path / "zero", init_from=str(trained_head), max_steps=1,
+                                 lr=1e-12, warmup_steps=1, **{k: v for k, v in evaluated.items() if k != "lr"}))
+    saved, started = load_head(trained_head).state_dict(), load_head(zero).state_dict()
+    assert all(torch.allclose(saved[k].float(), started[k].float(), atol=1e-6) for k in saved)
+    fresh = train_drafter(_config(patterned, tmp_path / "fresh", max_steps=2, warmup_steps=1, **evaluated))
+    cont = train_drafter(_config(patterned, tmp_path / "cont", init_from=str(trained_head), max_steps=2,
+                                 warmup_steps=1, **evaluated))
+    loss = lambda out: json.loads((out / "training_summary.json").read_text())["eval_loss"]  # noqa: E731
+    assert loss(cont) < loss(fresh)  # it starts from the trained head, not from a random one
+    assert any(r.get("event") == "start" and r["init_from"] == str(trained_head) for r in _log(cont))
+    with pytest.raises(ValueError, match="init_from"):
+        train_drafter(_config(patterned, tmp_path / "bad", init_from=str(trained_head), max_steps=1,
+                              draft_vocab_size=48))
+
+
 def test_token_budget_and_text_files_with_the_target_tokenizer(tmp_path):
     """Text data goes through the target's tokenizer; ``max_tokens`` sets the step count."""
     from specfit.training.tokenizer import build_tokenizer_object, wrap_tokenizer
