@@ -300,7 +300,10 @@ class _StreamedCopy:
 
 
 class TorchCopyEngine(_StreamedCopy):
-    """Plain ``copy_(non_blocking=True)`` per expert; a batched index copy when on one device.
+    """Plain ``copy_(non_blocking=True)`` per expert; a batched index copy when both are on one CUDA
+    device. On a CPU the per-expert copy is a plain memcpy: 3-5x cheaper than ``index_select`` +
+    ``index_copy_`` (measured: 1-8 experts of the demo, 10-70 us against 30-235 us), which allocate
+    and fill a gathered temporary first.
 
     Per-expert copies need the ids on the host (``.tolist()``); ids on a CUDA device would force a
     sync, so the cache should keep its bookkeeping ids on the CPU. A store that is not pinned still
@@ -326,11 +329,11 @@ class TorchCopyEngine(_StreamedCopy):
         if n == 0:
             return 0, 0, lambda: None
 
-        if store.device == slots.device:
+        if store.device == slots.device and slots.is_cuda:
             def enqueue() -> None:
                 s, d = _ids_to_device(src, dst, slots.device)
                 slots.index_copy_(0, d, store.index_select(0, s))
-        else:
+        else:  # host to device, or on a CPU: one memcpy per expert, no gathered temporary
             pairs = list(zip(src.tolist(), dst.tolist()))
 
             def enqueue() -> None:
