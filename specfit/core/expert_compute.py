@@ -100,7 +100,8 @@ class RoundPlan:
 
     ``rows`` are flat positions ``token * top_k + choice``; ``counts[s]`` rows use slot ``s`` and
     come in one run (``offsets[s]`` is the run's end). Device tensors arrive in one non-blocking
-    copy; ``counts`` stays on the host (the loop and the Triton block table read it, no sync).
+    copy (on a CPU they are the host arrays themselves); ``counts`` stays on the host (the loop, the
+    Triton block table and the upcast's compact groups read it, no sync).
     """
 
     rows: torch.Tensor  # int64 [n], device
@@ -134,14 +135,23 @@ class ExpertCompute:
         return {}
 
     def plan(self, flat_slots: np.ndarray, num_slots: int, device: torch.device) -> RoundPlan:
-        """The plan of a round: ``flat_slots[row]`` is the slot of each flat row, -1 for rows of other rounds."""
-        picked = np.flatnonzero(flat_slots >= 0)
-        order = picked[np.argsort(flat_slots[picked], kind="stable")]
+        """The plan of a round: ``flat_slots[row]`` is the slot of each flat row, -1 for rows of other rounds.
+
+        A handful of numpy calls on the host; on a CPU the device tensors are views of the host
+        arrays (no packing, no copy), elsewhere they travel in one copy (:func:`to_device`).
+        """
+        order = np.argsort(flat_slots, kind="stable")  # by slot; rows of other rounds (-1) come first
         row_slot = flat_slots[order]
-        counts = np.bincount(row_slot, minlength=num_slots).astype(np.int64)
+        skip = int(np.searchsorted(row_slot, 0))
+        if skip:
+            order, row_slot = order[skip:], row_slot[skip:]
+        counts = np.bincount(row_slot, minlength=num_slots)
         ends = np.cumsum(counts)
-        arrays = {"rows": order, "row_slot": row_slot, "offsets": ends, **self.host_extra(counts, ends - counts)}
-        dev = to_device(arrays, device)
+        extra = self.host_extra(counts, ends - counts)
+        if device.type == "cpu" and not extra:
+            return RoundPlan(torch.from_numpy(order), torch.from_numpy(row_slot.astype(np.int64, copy=False)),
+                             torch.from_numpy(ends.astype(np.int32)), counts, {})
+        dev = to_device({"rows": order, "row_slot": row_slot, "offsets": ends, **extra}, device)
         extra = {k: v for k, v in dev.items() if k not in ("rows", "row_slot", "offsets")}
         return RoundPlan(dev["rows"], dev["row_slot"], dev["offsets"].to(torch.int32), counts, extra)
 
@@ -209,9 +219,12 @@ class GroupedCompute(ExpertCompute):
         gu_bias, dn_bias = views.gate_up_bias, views.down_bias
         row_slot = plan.row_slot
         if gate_up.dtype != dtype:  # upcast only the round's slots (compact groups)
-            used = plan.extra["used"]
+            used = np.flatnonzero(counts)
+            groups = to_device({"used": used, "used_offsets": np.cumsum(counts[used]),
+                                "row_group": np.repeat(np.arange(len(used)), counts[used])}, hidden.device)
+            used = groups["used"]
             gate_up, down = gate_up.index_select(0, used).to(dtype), down.index_select(0, used).to(dtype)
-            offsets, row_slot = plan.extra["used_offsets"].to(torch.int32), plan.extra["row_group"]
+            offsets, row_slot = groups["used_offsets"].to(torch.int32), groups["row_group"]
             counts = counts[counts > 0]
             gu_bias = gu_bias.index_select(0, used).to(dtype) if gu_bias is not None else None
             dn_bias = dn_bias.index_select(0, used).to(dtype) if dn_bias is not None else None
@@ -224,11 +237,6 @@ class GroupedCompute(ExpertCompute):
         if dn_bias is not None:
             y = y + dn_bias.index_select(0, row_slot)
         out.index_copy_(0, plan.rows, y.float() * weights.index_select(0, plan.rows).float().unsqueeze(1))
-
-    def host_extra(self, counts: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
-        used = np.flatnonzero(counts)
-        return {"used": used, "used_offsets": np.cumsum(counts[used]),
-                "row_group": np.repeat(np.arange(len(used)), counts[used])}
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
