@@ -54,8 +54,11 @@ def fit_acceptance(cfg: FitAcceptanceConfig) -> Path:
     out = check_writable(cfg.out_dir, "out_dir", directory=True)
     trace = load_trace(cfg.trace.path)
     trees = list(trace_trees(trace))
+    held_traces = [load_trace(path) for path in cfg.held_out]
+    for note in dict.fromkeys(n for t in (trace, *held_traces) for n in t.notes):  # each once
+        print(f"note: {note}")
     if cfg.held_out:
-        train, held = trees, [t for path in cfg.held_out for t in trace_trees(load_trace(path))]
+        train, held = trees, [t for h in held_traces for t in trace_trees(h)]
     else:
         per_sequence = [len(s) for s in trace.sequences]
         cut_sequences = len(per_sequence) - int(round(len(per_sequence) * cfg.held_out_fraction))

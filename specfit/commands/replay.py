@@ -164,6 +164,8 @@ def _print_header(trace: Trace, cfg: DictConfig) -> None:
     print(f"trace {cfg.trace.path}: {len(trace.sequences)} sequences, {trace.positions} positions; drafter "
           f"{d.get('name')} (depth {d.get('depth')}, total_tokens {d.get('total_tokens')}); "
           f"model {meta.info.get('model', '?')}")
+    for note in trace.notes:  # e.g. a format-1 trace: what the learned estimator falls back on
+        print(f"note: {note}")
     report = meta.calibration or {}
     if "cycle_time_ape_median" in report:
         print(f"cost model error at calibration (held-out cycles): median "

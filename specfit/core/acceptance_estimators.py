@@ -149,9 +149,8 @@ def trace_trees(trace: Trace) -> Iterator[SettledTree]:
         for pos in range(len(seq)):
             rec = seq.position(pos)
             tree = DraftTree(root_token=int(rec.root))
-            for d in range(1, rec.levels + 1):
-                part = rec.level(d)
-                tree.add_level(rec.parents[part].tolist(), rec.tokens[part].tolist(), rec.log_probs[part].tolist())
+            for _ in rec.draft(tree):  # with the recorded entropies and root probability
+                pass
             path = rec.accepted_path()
             tree.greedy_next = int(rec.argmax[rec.rows([path[-1]])[0]]) if path else int(rec.root_argmax)
             yield SettledTree(tree, rec.verified.tolist(), path)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
+import torch
 
 from specfit.core import guard
 from specfit.core.acceptance import Acceptance, walk
@@ -66,6 +67,10 @@ class Verifier(Protocol):
 
     def token_after(self, block: VerifyBlock, pos: int, sampler: Sampler) -> int:
         """The target's token after block position ``pos`` (output token ``sampler.position + depth``)."""
+
+    def token_prob(self, block: VerifyBlock, pos: int, token: int, sampler: Sampler) -> float | None:
+        """The target's probability of ``token`` after block position ``pos`` (see
+        :func:`target_prob`); None where it is not known (a trace recorded without it)."""
 
     def keep(self, block: VerifyBlock, path: list[int], bonus: int) -> list[int]:
         """Keep the accepted path (live: compact the KV cache); returns the path to commit (a replay
@@ -121,6 +126,9 @@ class Cycle:
     # every draft level's selection; None: no prefetch during drafting
     prefetcher: Any = None
     sink: Any = None
+    # the target's probability of the next cycle's root token (DraftTree.root_prob): the engine sets
+    # it after the prefill, a replay at each sequence's start, and every cycle for the next one
+    root_prob: float | None = None
 
     def run(self, root: int, sampler: Sampler, max_depth: int, max_nodes: int, room: int | None = None,
             max_commit: int | None = None) -> tuple[CycleRecord, list[int]]:
@@ -131,7 +139,7 @@ class Cycle:
         """
         verifier, selector, predictor, spec = self.verifier, self.selector, self.predictor, self.spec
         t0 = verifier.now()
-        tree = DraftTree(root_token=root)
+        tree = DraftTree(root_token=root, root_prob=self.root_prob)
         selection = Selection(nodes=[])
         select_seconds = overhead = 0.0  # overhead: predictor and selector time
         level_seconds: list[float] = []
@@ -188,6 +196,9 @@ class Cycle:
         if predictor is not None:
             guard.call("predictor", predictor, "observe", kept_tokens, verdict.routing[kept])
         tokens = self._truncate(kept_tokens[1:] + [acc.bonus], max_commit)
+        bonus_pos = acc.path[-1] if acc.path else 0  # the block position whose logits gave the bonus
+        ends_in_bonus = len(tokens) == len(kept_tokens) and path == acc.path  # else the decode ends or diverged
+        self.root_prob = verifier.token_prob(block, bonus_pos, acc.bonus, sampler) if ends_in_bonus else None
         quality = prediction_overlap(tree, block, verdict.routing)
         measured = CycleTimes(t_verify - t0 - select_seconds, select_seconds, verify_seconds, verifier.now() - t0)
         times = verifier.times(measured, tree.depth, len(block) - 1, verdict, overhead)
@@ -228,6 +239,14 @@ class Cycle:
             if t in self.stop_token_ids:
                 return tokens[: i + 1]
         return tokens
+
+
+def target_prob(logits: torch.Tensor, token: int, sampler: Sampler) -> float:
+    """The target's probability of ``token`` given one position's ``logits``: greedy, under the
+    softmax; sampling, under the processed distribution the sampler draws from."""
+    if sampler.params.greedy:
+        return float(torch.softmax(logits.detach().float(), dim=-1)[token])
+    return float(sampler.probs(logits)[token])
 
 
 def check_parts(parts: dict[str, Any], context: str = "") -> None:

@@ -19,7 +19,7 @@ from torch import nn
 
 from specfit.core import guard
 from specfit.core.copy_engines import CopyEngine, LinkSettings, make_copy_engine
-from specfit.core.cycle import Cycle, CycleObserver, CycleTimes, Verdict, check_parts
+from specfit.core.cycle import Cycle, CycleObserver, CycleTimes, Verdict, check_parts, target_prob
 from specfit.core.expert_store import HostExpertStore
 from specfit.core.numerics import apply_numerics, check_numerics, numerics_info
 from specfit.core.offload import OffloadRuntime
@@ -179,6 +179,7 @@ class Engine:
             start = _now(self.device)
             prefill = self.target.prefill(ids)
             out.append(sampler.token(prefill.logits[-1], 0))
+            cycle.root_prob = target_prob(prefill.logits[-1], out[-1], sampler)  # the first root's, for estimators
             guard.call("drafter", self.drafter, "start", ids, prefill.features, out[-1])
             if predictor is not None:
                 guard.call("predictor", predictor, "observe", ids, prefill.routing)  # the prompt's routing: a free warm start
@@ -280,6 +281,9 @@ class LiveVerifier:
 
     def token_after(self, block: VerifyBlock, pos: int, sampler: Sampler) -> int:
         return sampler.token(self._result.logits[pos], sampler.position + block.depths[pos])
+
+    def token_prob(self, block: VerifyBlock, pos: int, token: int, sampler: Sampler) -> float | None:
+        return target_prob(self._result.logits[pos], token, sampler)
 
     def keep(self, block: VerifyBlock, path: list[int], bonus: int) -> list[int]:
         self.target.keep(self._prefix, [0] + path)

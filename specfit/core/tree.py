@@ -3,6 +3,11 @@
 Node indices are assigned in creation order, so a parent always has a smaller index than its
 children (topological order). The root is implicit: it is the last committed token, which the
 target has not processed yet; ``parent == -1`` marks a child of the root.
+
+Besides the nodes, a tree may carry what acceptance estimators learn from and that only the
+drafter or the verifier knows: the draft head's entropy at each node it expanded (and at the
+root), and the target's probability of the root token. Both are optional: NaN / None when the
+drafter or verifier does not provide them.
 """
 
 from __future__ import annotations
@@ -31,6 +36,15 @@ class DraftTree:
     # After a greedy verification: the target's token after the accepted path (the bonus). With the
     # accepted path it settles the acceptance of most unverified nodes too (see greedy_outcomes).
     greedy_next: int | None = None
+    # The draft head's entropy (nats) of its full next-token distribution at each node it expanded,
+    # float32 per node (NaN: not expanded, or a drafter that does not tell; grown by set_entropy),
+    # and at the root (NaN: unknown).
+    entropy: np.ndarray | None = None
+    root_entropy: float = float("nan")
+    # The target's probability of the root token where it produced it (the last verification's
+    # bonus, or the prefill's first token): greedy, the softmax of its argmax; sampling, the sampled
+    # token's under the processed distribution. None: the verifier did not tell.
+    root_prob: float | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -75,6 +89,37 @@ class DraftTree:
             pad = np.full((n - self.experts.shape[0], layers, top_k), -1, dtype=np.int32)
             self.experts = np.concatenate([self.experts, pad])
         return self.experts
+
+    def set_entropy(self, nodes: Sequence[int], values: Sequence[float]) -> None:
+        """Record the head's entropy at the expanded ``nodes`` (``ROOT`` for the root)."""
+        nodes, values = np.asarray(nodes, dtype=np.int64), np.asarray(values, dtype=np.float32)
+        if nodes.shape != values.shape:
+            raise ValueError("set_entropy: nodes and values must have the same length")
+        at_root = nodes == ROOT
+        if at_root.any():
+            self.root_entropy = float(values[at_root][-1])
+        nodes, values = nodes[~at_root], values[~at_root]
+        if not len(nodes):
+            return
+        if int(nodes.min()) < 0 or int(nodes.max()) >= len(self.tokens):
+            raise ValueError(f"set_entropy: node ids must be ROOT or 0..{len(self.tokens) - 1}")
+        if self.entropy is None or len(self.entropy) < len(self.tokens):
+            grown = np.full(len(self.tokens), np.nan, dtype=np.float32)
+            if self.entropy is not None:
+                grown[: len(self.entropy)] = self.entropy
+            self.entropy = grown
+        self.entropy[nodes] = values
+
+    def parent_entropy(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """float64 [stop - start]: the head's entropy at the parent of each of nodes ``start:stop``
+        (NaN where it is not known)."""
+        stop = len(self.tokens) if stop is None else stop
+        parents = np.asarray(self.parents[start:stop], dtype=np.int64)
+        known = np.full(len(self.tokens) + 1, np.nan)  # the last entry stands for the root
+        if self.entropy is not None:
+            known[: min(len(self.entropy), len(self.tokens))] = self.entropy[: len(self.tokens)]
+        known[-1] = self.root_entropy
+        return known[np.where(parents == ROOT, len(self.tokens), parents)]
 
     def path_probs(self) -> np.ndarray:
         return np.exp(np.asarray(self.path_log_probs, dtype=np.float64))

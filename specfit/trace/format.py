@@ -25,6 +25,14 @@ top-k K):
     root_argmax [N] int32, root_routing [N, L, K]   the same for each position's root (output[i])
     level_offsets [N+1] int64                 position i owns levels level_offsets[i]:level_offsets[i+1]
     level_seconds [sum levels] float64        time since the cycle started at the end of each level
+    node_entropy [M] float32                  the draft head's entropy at each node it expanded (NaN:
+    root_entropy [N] float32                  not expanded, or not told), and at each root
+    root_prob [N] float64                     the target's probability of each root token where it
+                                              produced it (NaN: not told); both go back into the
+                                              replayed trees for acceptance estimators
+
+Format version 1 had no ``node_entropy``, ``root_entropy`` and ``root_prob``: such traces still load
+(the three read as NaN, and :attr:`Trace.notes` says so), and replay exactly what they recorded.
 
 The verified nodes are the recording's candidate union (see :mod:`specfit.trace.record`); the other
 drafted nodes are kept so that selectors and predictors see the very tree they saw live.
@@ -42,10 +50,11 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -54,14 +63,16 @@ from specfit.files import check_writable, remove_stale_temporaries, write_atomic
 from specfit.interfaces.protocols import ACCEPTED_KEY  # noqa: F401 - defined with SelectionContext; replay imports it here
 
 FORMAT = "specfit-trace"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1: no entropies and root probabilities (read as NaN)
 META_FILE = "meta.json"
 PARTIAL_FILE = "partial.json"  # present while a recording runs (or was interrupted); meta.json replaces it
 
 
 _ARRAYS = ("prompt", "output", "prefill_routing", "node_offsets", "node_token", "node_parent", "node_depth",
            "node_log_prob", "verified_offsets", "verified_node", "verified_argmax", "verified_routing", "root_argmax",
-           "root_routing", "level_offsets", "level_seconds")
+           "root_routing", "level_offsets", "level_seconds", "node_entropy", "root_entropy", "root_prob")
+_ADDED_IN_2 = ("node_entropy", "root_entropy", "root_prob")  # absent from version 1 traces
 
 
 class TraceError(ConfigError):
@@ -93,6 +104,9 @@ class TracePosition:
     root_argmax: int
     root_routing: np.ndarray  # [layers, top_k]
     level_seconds: np.ndarray  # [levels] float64
+    entropy: np.ndarray  # [n] float32, the head's entropy at each expanded node (NaN: unknown)
+    root_entropy: float  # NaN: unknown
+    root_prob: float  # the target's probability of the root token; NaN: unknown
 
     @property
     def levels(self) -> int:
@@ -113,6 +127,26 @@ class TracePosition:
             return np.full(len(nodes), -1, dtype=np.int64)
         rows = np.minimum(np.searchsorted(self.verified, nodes), len(self.verified) - 1)
         return np.where(self.verified[rows] == nodes, rows, -1)
+
+    def draft(self, tree: Any) -> Iterator[range]:
+        """Grow ``tree`` (a :class:`specfit.core.tree.DraftTree` of this root) level by level as the
+        drafter did: the root's entropy before level 1, each level's entropies with the next level,
+        and the root probability (None where the recording did not have them)."""
+        tree.root_prob = self.known_root_prob
+        tree.root_entropy = self.root_entropy
+        for d in range(1, self.levels + 1):
+            if d > 1:
+                above = self.level(d - 1)
+                values = self.entropy[above.start:above.stop]
+                if not np.all(np.isnan(values)):
+                    tree.set_entropy(list(above), values)
+            part = self.level(d)
+            yield tree.add_level(self.parents[part].tolist(), self.tokens[part].tolist(), self.log_probs[part].tolist())
+
+    @property
+    def known_root_prob(self) -> float | None:
+        """The root probability, None where the recording did not have it."""
+        return None if math.isnan(self.root_prob) else self.root_prob
 
     def accepted_path(self) -> list[int]:
         """Nodes the target accepts if every verified node is verified: from the root, the first
@@ -150,6 +184,9 @@ class TraceSequence:
     root_routing: np.ndarray
     level_offsets: np.ndarray
     level_seconds: np.ndarray
+    node_entropy: np.ndarray
+    root_entropy: np.ndarray
+    root_prob: np.ndarray
 
     def __len__(self) -> int:
         """Positions with a recorded tree (every output token but the last is a root)."""
@@ -171,6 +208,9 @@ class TraceSequence:
             root_argmax=int(self.root_argmax[i]),
             root_routing=self.root_routing[i],
             level_seconds=self.level_seconds[la:lb],
+            entropy=self.node_entropy[a:b],
+            root_entropy=float(self.root_entropy[i]),
+            root_prob=float(self.root_prob[i]),
         )
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -193,7 +233,8 @@ class TraceSequence:
             if arr[0] != 0 or arr[-1] != items or np.any(np.diff(arr) < 0):
                 raise bad(f"{offsets} do not cover their {items} entries")
         m, v = len(self.node_token), len(self.verified_node)
-        for name, length in (("node_parent", m), ("node_depth", m), ("node_log_prob", m), ("verified_argmax", v)):
+        for name, length in (("node_parent", m), ("node_depth", m), ("node_log_prob", m), ("verified_argmax", v),
+                             ("node_entropy", m), ("root_entropy", n), ("root_prob", n)):
             if getattr(self, name).shape != (length,):
                 raise bad(f"{name} has {len(getattr(self, name))} entries, expected {length}")
         for name, rows in (("verified_routing", v), ("root_routing", n), ("prefill_routing", len(self.prompt))):
@@ -259,6 +300,15 @@ class Trace:
     @property
     def positions(self) -> int:
         return sum(len(s) for s in self.sequences)
+
+    @property
+    def notes(self) -> list[str]:
+        """What this trace cannot give a replay (said once, by the commands that read it)."""
+        if self.meta.version < 2:
+            return [f"trace format {self.meta.version} carries no draft-head entropies or target root "
+                    f"probabilities: the learned acceptance estimator falls back to its approximations "
+                    f"(re-record with `specfit record` for them)"]
+        return []
 
     def save(self, path: str | Path, overwrite: bool = False) -> Path:
         """Write the trace directory; refuses to mix with an existing trace unless ``overwrite``."""
@@ -404,7 +454,7 @@ def load_trace(path: str | Path) -> Trace:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         found = data.get("format") if isinstance(data, dict) else None
         raise TraceError(f"{meta_path}: not a specfit trace (format {found!r})")
-    if data.get("version") != VERSION:
+    if data.get("version") not in READABLE_VERSIONS:
         raise TraceError(f"{path}: trace format version {data.get('version')}, this specfit reads version {VERSION}: "
                          f"re-record it with `specfit record`")
     try:
@@ -422,21 +472,28 @@ def load_trace(path: str | Path) -> Trace:
         file = path / name
         if not file.is_file():
             raise TraceError(f"{path}: {name} is missing (the trace is incomplete)")
-        sequences.append(_read_sequence(file, layers, top_k))
+        sequences.append(_read_sequence(file, layers, top_k, added=int(meta.version) >= 2))
     return Trace(meta, sequences)
 
 
-def _read_sequence(file: Path, layers: int, top_k: int) -> TraceSequence:
+def _read_sequence(file: Path, layers: int, top_k: int, added: bool = True) -> TraceSequence:
+    """One sequence file; ``added=False`` (format version 1): the arrays version 2 added read as NaN."""
+    expected = _ARRAYS if added else tuple(k for k in _ARRAYS if k not in _ADDED_IN_2)
     try:
         with np.load(file, allow_pickle=False) as npz:
-            missing = [k for k in _ARRAYS if k not in npz.files]
+            missing = [k for k in expected if k not in npz.files]
             if missing:
                 raise TraceError(f"{file}: corrupt trace sequence (no {', '.join(missing)})")
-            arrays = {k: npz[k] for k in _ARRAYS}
+            arrays = {k: npz[k] for k in expected}
     except TraceError:
         raise
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise TraceError(f"{file}: corrupt ({type(exc).__name__}: {exc})") from exc
+    if not added:
+        positions, nodes = len(arrays["root_argmax"]), len(arrays["node_token"])
+        arrays["node_entropy"] = np.full(nodes, np.nan, dtype=np.float32)
+        arrays["root_entropy"] = np.full(positions, np.nan, dtype=np.float32)
+        arrays["root_prob"] = np.full(positions, np.nan, dtype=np.float64)
     seq = TraceSequence(**arrays)
     seq.check(str(file), layers, top_k)
     return seq

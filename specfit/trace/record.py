@@ -56,11 +56,13 @@ class _SequenceBuilder:
         self.prompt = np.asarray(prompt_ids, dtype=np.int32)
         self.prefill_routing = np.asarray(routing).astype(dtype)
         self.roots: list[int] = []
-        self.trees: list[tuple[np.ndarray, ...]] = []  # per cycle: tokens, parents, depths, log-probs
+        self.trees: list[tuple[np.ndarray, ...]] = []  # per cycle: tokens, parents, depths, log-probs, entropies
         self.verified: list[tuple[np.ndarray, ...]] = []  # per cycle: nodes, argmax, routing
         self.root_argmax: list[int] = []
         self.root_routing: list[np.ndarray] = []
         self.level_seconds: list[list[float]] = []
+        self.root_entropy: list[float] = []
+        self.root_prob: list[float] = []
 
     def add(self, trace: Any) -> None:
         tree, block = trace.tree, trace.block
@@ -73,6 +75,7 @@ class _SequenceBuilder:
             np.asarray(tree.parents, dtype=np.int32),  # tree indices are the local ones; ROOT is -1
             np.asarray(tree.depths, dtype=np.int16),
             np.asarray(tree.log_probs, dtype=np.float64),
+            _node_entropy(tree),
         ))
         self.verified.append((
             np.asarray(block.nodes, dtype=np.int32),  # ascending tree indices
@@ -82,6 +85,8 @@ class _SequenceBuilder:
         self.root_argmax.append(int(trace.argmax[0]))
         self.root_routing.append(routing[0].astype(self.dtype))
         self.level_seconds.append([float(s) for s in trace.level_seconds])
+        self.root_entropy.append(tree.root_entropy)
+        self.root_prob.append(np.nan if tree.root_prob is None else float(tree.root_prob))
 
     def finish(self, output_ids: Sequence[int], layers: int, top_k: int) -> TraceSequence:
         output = np.asarray(output_ids, dtype=np.int32)
@@ -114,7 +119,19 @@ class _SequenceBuilder:
             root_routing=np.stack(self.root_routing) if self.root_routing else np.zeros((0, *shape), dtype=self.dtype),
             level_offsets=offsets([len(s) for s in self.level_seconds]),
             level_seconds=np.asarray([s for row in self.level_seconds for s in row], dtype=np.float64),
+            node_entropy=cat(self.trees, 4, np.float32),
+            root_entropy=np.asarray(self.root_entropy, dtype=np.float32),
+            root_prob=np.asarray(self.root_prob, dtype=np.float64),
         )
+
+
+def _node_entropy(tree: DraftTree) -> np.ndarray:
+    """float32 [len(tree)]: the head's entropy at each node (NaN where it did not expand it or did not tell)."""
+    out = np.full(len(tree), np.nan, dtype=np.float32)
+    if tree.entropy is not None:
+        known = min(len(tree.entropy), len(tree))
+        out[:known] = tree.entropy[:known]
+    return out
 
 
 class TraceRecorder:

@@ -259,6 +259,7 @@ class TraceVerifier:
         self.where = ""
         self.selector_name = ""  # for errors
         self.rec: TracePosition | None = None
+        self.seq: TraceSequence | None = None
         self.output: np.ndarray = np.zeros(0, dtype=np.int32)
         self.start = 0
         self._rows = np.zeros(0, dtype=np.int64)
@@ -292,6 +293,8 @@ class TraceVerifier:
                 if max_cycles is not None and len(done) >= max_cycles:
                     return done
                 self._at(index, seq, pos)
+                if pos == 0:  # the prefill's first token; later roots come from token_prob
+                    cycle.root_prob = self.rec.known_root_prob
                 if self.sink is not None:
                     self.sink.begin_cycle()
                 sampler.position = pos + 1
@@ -302,7 +305,8 @@ class TraceVerifier:
         return done
 
     def _at(self, index: int, seq: TraceSequence, pos: int) -> None:
-        self.rec = rec = seq.position(pos)
+        self.seq, self.rec = seq, seq.position(pos)
+        rec = self.rec
         self.target.trace_routing.position = rec
         self.extra = {ACCEPTED_KEY: rec.accepted_path()}  # for the oracle selector
         self.where, self.start = f"position {pos} of sequence {index}", pos + 1
@@ -310,10 +314,7 @@ class TraceVerifier:
     # ------------------------------------------------------------------ the Verifier protocol
 
     def levels(self, tree: DraftTree) -> Iterator[range]:
-        rec = self.rec
-        for d in range(1, rec.levels + 1):
-            part = rec.level(d)
-            yield tree.add_level(rec.parents[part].tolist(), rec.tokens[part].tolist(), rec.log_probs[part].tolist())
+        return self.rec.draft(tree)
 
     def draft_seconds(self, levels: int, elapsed: float, overhead: float) -> float:
         """D after ``levels`` levels: recorded drafting plus the time measured here, or modelled."""
@@ -348,6 +349,14 @@ class TraceVerifier:
 
     def token_after(self, block: VerifyBlock, pos: int, sampler: Sampler) -> int:
         return self.rec.root_argmax if pos == 0 else int(self.rec.argmax[self._rows[pos - 1]])
+
+    def token_prob(self, block: VerifyBlock, pos: int, token: int, sampler: Sampler) -> float | None:
+        """The recorded probability of the root at the output index of the token after ``pos``."""
+        index = self.start + block.depths[pos]
+        seq = self.seq
+        if index >= len(seq) or int(self.output[index]) != token or math.isnan(seq.root_prob[index]):
+            return None
+        return float(seq.root_prob[index])
 
     def keep(self, block: VerifyBlock, path: list[int], bonus: int) -> list[int]:
         """The greedy output is the ground truth of the sequence: a path that leaves it (tree-pass

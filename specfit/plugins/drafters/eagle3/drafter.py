@@ -5,6 +5,8 @@ Level 1 holds the root's ``top_k`` most likely children. Each further level expa
 each; every child is a candidate, and the best ``top_k`` form the next beam. Which candidates are
 verified is the selector's decision (EAGLE keeps the ``total_tokens`` with the highest path
 probability). The head's KV cache holds the committed pairs; tree pairs are dropped after drafting.
+The head's entropy at the root and at every expanded node goes into the tree
+(:meth:`DraftTree.set_entropy`): acceptance estimators use it, and the tree keeps only top-k.
 """
 
 from __future__ import annotations
@@ -175,6 +177,7 @@ class Eagle3Drafter(DrafterBase):
 
             logp = F.log_softmax(head.logits(root_hidden[None]).float(), dim=-1)[0]
             top = torch.topk(logp, min(k, logp.numel()))
+            tree.set_entropy([ROOT], [float(_entropy(logp))])
             level = tree.add_level([ROOT] * len(top.indices), head.to_target_ids(top.indices).tolist(), top.values.tolist())
             beam = list(level)
             parent_hidden = {v: root_hidden for v in beam}
@@ -200,6 +203,7 @@ class Eagle3Drafter(DrafterBase):
                 logp = F.log_softmax(head.logits(out).float(), dim=-1)
                 top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)  # [beam, k]
                 kids = top.indices.shape[1]
+                tree.set_entropy(beam, _entropy(logp).tolist())
                 level = tree.add_level(
                     [v for v in beam for _ in range(kids)],
                     head.to_target_ids(top.indices).flatten().tolist(),
@@ -212,3 +216,8 @@ class Eagle3Drafter(DrafterBase):
                 yield level
         finally:
             kv.crop(committed)
+
+
+def _entropy(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of each row of log-probabilities (a token of probability 0 adds 0)."""
+    return torch.special.entr(logp.exp()).sum(-1)
