@@ -7,15 +7,16 @@ Features of node v, all known when the selector runs (before verification):
   among its siblings by q);
 - ``log_depth``: log of v's depth;
 - ``parent_path``: the parent's log path probability / 10 (0 for the root's children);
-- ``parent_confidence``: logit of the largest q among v's siblings, which stands in for the head's
-  entropy at the parent: the EAGLE-3 drafter keeps only its top-k log-probabilities in the tree,
-  not the distribution, so the entropy itself is not available (a peaked head has one sibling
-  near 1, a flat one none);
+- ``parent_confidence``: logit of the largest q among v's siblings (the peak of the head's
+  distribution at the parent, as far as its top-k shows it);
+- ``parent_entropy``: the head's entropy (nats) of its full distribution at the parent, which the
+  drafter records (:meth:`DraftTree.set_entropy`); where it does not (a third-party drafter, a
+  trace of format 1) its lower bound from the top-k, the min-entropy -log(largest sibling q);
+- ``root_prob``: logit of the target's probability of the root token where it produced it
+  (``tree.root_prob``, from the last verification): a target sure of its last token is in
+  predictable text. Unknown (a trace of format 1): the running mean of the values seen;
 - ``recent``: logit of the recent acceptance rate of top-ranked children (an exponential average
   over cycles, decay ``recent_decay``), which follows how predictable the current text is.
-
-The target's probability of the root token at the last verification would be a further feature;
-no verifier hands it to selectors today (the tree carries the root token only), so it is left out.
 
 The model starts at w0 = (logit_q: 1, the rest 0): a_v then equals q(v) and the path product is
 P_v, so an untrained ``learned`` estimator is ``path_prob``. Learning is a Laplace-approximate
@@ -40,7 +41,8 @@ from specfit.errors import ConfigError
 from specfit.interfaces import AcceptanceConfig, AcceptanceEstimatorBase, DraftTree
 from specfit.validation import integer, number
 
-FEATURES = ("bias", "logit_q", "top_sibling", "log_rank", "log_depth", "parent_path", "parent_confidence", "recent")
+FEATURES = ("bias", "logit_q", "top_sibling", "log_rank", "log_depth", "parent_path", "parent_confidence",
+            "parent_entropy", "root_prob", "recent")
 CLIP = 1e-6
 
 
@@ -53,9 +55,10 @@ def _sigmoid(z: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * z))  # overflow-free
 
 
-def features(tree: DraftTree, recent: float, start: int = 0, stop: int | None = None) -> np.ndarray:
+def features(tree: DraftTree, recent: float, root_logit: float, start: int = 0, stop: int | None = None) -> np.ndarray:
     """float [stop - start, len(FEATURES)]: the features of nodes ``start:stop``, which must be
-    whole levels (siblings are ranked among themselves; see the module docstring)."""
+    whole levels (siblings are ranked among themselves; see the module docstring). ``root_logit``:
+    the root probability's logit (the caller's stand-in when the tree has none)."""
     stop = len(tree) if stop is None else stop
     n = stop - start
     x = np.zeros((n, len(FEATURES)))
@@ -79,7 +82,10 @@ def features(tree: DraftTree, recent: float, start: int = 0, stop: int | None = 
     x[:, 4] = np.log(np.asarray(tree.depths[start:stop], dtype=np.float64))
     x[:, 5] = np.where(parents == ROOT, 0.0, np.maximum(path[np.maximum(parents, 0)], -30.0) / 10.0)
     x[:, 6] = _logit(np.exp(best))
-    x[:, 7] = float(_logit(recent))
+    entropy = tree.parent_entropy(start, stop)
+    x[:, 7] = np.where(np.isnan(entropy), -best, entropy)  # unknown: the min-entropy, its lower bound
+    x[:, 8] = root_logit
+    x[:, 9] = float(_logit(recent))
     return x
 
 
@@ -123,6 +129,7 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
         self.weights = initial_weights()
         self.precision = prior_strength * np.eye(len(FEATURES))
         self.recent = 0.5
+        self.root_mean = 0.0  # running mean of logit(root_prob), decay recent_decay: the stand-in for unknown ones
         self.trees = 0  # trees learned from, this engine and earlier ones
         self._cache: tuple[DraftTree, np.ndarray] | None = None  # (tree, a_v so far) within a cycle
 
@@ -134,7 +141,12 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
 
     def conditional_estimate(self, tree: DraftTree) -> np.ndarray:
         """P(v accepted | its parent accepted) for every node."""
-        return _sigmoid(features(tree, self.recent) @ self.weights)
+        return _sigmoid(features(tree, self.recent, self.root_logit(tree)) @ self.weights)
+
+    def root_logit(self, tree: DraftTree) -> float:
+        """The ``root_prob`` feature of ``tree``: the logit of its root probability, or the running mean."""
+        p = tree.root_prob
+        return self.root_mean if p is None or not np.isfinite(p) else float(_logit(p))
 
     def estimate(self, tree: DraftTree) -> np.ndarray:
         """a_v = a_parent * P(v accepted | parent accepted). Within a cycle the model does not change
@@ -145,7 +157,7 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
             a = np.zeros(0)
         if len(a) < len(tree):
             start = len(a)
-            new = _sigmoid(features(tree, self.recent, start) @ self.weights)
+            new = _sigmoid(features(tree, self.recent, self.root_logit(tree), start) @ self.weights)
             parents = np.asarray(tree.parents[start:], dtype=np.int64)
             a = np.concatenate([a, new])
             for d in range(tree.depths[start], tree.depth + 1):  # parents sit on the level above
@@ -159,11 +171,18 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
         nodes, hit = conditional(tree, verified, accepted)
         if not len(nodes):
             return
-        x = features(tree, self.recent)[nodes]
+        x = features(tree, self.recent, self.root_logit(tree))[nodes]
         self.update(x, hit.astype(np.float64))
+        self._follow(tree, x, hit)
+
+    def _follow(self, tree: DraftTree, x: np.ndarray, hit: np.ndarray) -> None:
+        """After a tree's samples: the recent acceptance rate, and the running mean root probability."""
+        decay = self.recent_decay
         top = x[:, FEATURES.index("top_sibling")] == 1
         if top.any():
-            self.recent = self.recent_decay * self.recent + (1 - self.recent_decay) * float(hit[top].mean())
+            self.recent = decay * self.recent + (1 - decay) * float(hit[top].mean())
+        if tree.root_prob is not None and np.isfinite(tree.root_prob):
+            self.root_mean = decay * self.root_mean + (1 - decay) * float(_logit(tree.root_prob))
 
     def update(self, x: np.ndarray, y: np.ndarray) -> None:
         """One Bayesian step: the MAP weights under a Gaussian prior at the current ones."""
@@ -189,12 +208,10 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
             nodes, hit = conditional(item.tree, item.verified, item.accepted)
             if not len(nodes):
                 continue
-            x = features(item.tree, self.recent)[nodes]
+            x = features(item.tree, self.recent, self.root_logit(item.tree))[nodes]
             xs.append(x)
             ys.append(hit.astype(np.float64))
-            top = x[:, FEATURES.index("top_sibling")] == 1
-            if top.any():
-                self.recent = self.recent_decay * self.recent + (1 - self.recent_decay) * float(hit[top].mean())
+            self._follow(item.tree, x, hit)
             self.trees += 1
         if not xs:
             return 0
@@ -220,7 +237,7 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
 
     def state(self) -> dict[str, Any]:
         return {"features": list(FEATURES), "weights": self.weights.tolist(), "precision": self.precision.tolist(),
-                "recent": self.recent, "trees": self.trees}
+                "recent": self.recent, "root_mean": self.root_mean, "trees": self.trees}
 
     def load_state(self, state: dict[str, Any], strict: bool = False) -> None:
         """A state for other features (another version) or with bad values is ignored, and the
@@ -233,6 +250,7 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
         self.weights = np.asarray(state["weights"], dtype=np.float64)
         self.precision = np.asarray(state["precision"], dtype=np.float64)
         self.recent = float(state.get("recent", 0.5))
+        self.root_mean = float(state.get("root_mean", 0.0))
         self._cache = None
         self.trees = int(state.get("trees", 0)) if isinstance(state.get("trees", 0), int) else 0
 
@@ -253,6 +271,9 @@ def _state_problem(state: Any) -> str | None:
     recent = state.get("recent", 0.5)
     if isinstance(recent, bool) or not isinstance(recent, (int, float)) or not 0 <= recent <= 1:
         return f"recent={recent!r} must be a rate in [0, 1]"
+    root_mean = state.get("root_mean", 0.0)
+    if isinstance(root_mean, bool) or not isinstance(root_mean, (int, float)) or not np.isfinite(root_mean):
+        return f"root_mean={root_mean!r} must be a finite number"
     return None
 
 
