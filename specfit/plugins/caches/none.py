@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -19,7 +18,10 @@ class NoCacheConfig(CacheConfig):
 
 
 class NoCache(ExpertCacheBase):
-    """Scratch slots only (default: top-k per layer); a layer's union is streamed through them."""
+    """Scratch slots only (default: top-k per layer); a layer's union is streamed through them.
+
+    It cannot prefetch (nothing outlives a pass): it keeps ``ExpertCacheBase``'s ``admit_prefetch``,
+    so the runtime says so once when a prefetcher asks, and never pipelines its rounds."""
 
     name = "none"
     Config = NoCacheConfig
@@ -36,14 +38,6 @@ class NoCache(ExpertCacheBase):
         # Within a pass each expert is admitted once, so scratch slots can be reused freely.
         chunk = list(wanted)[: self.capacity]
         return Admission({e: slot for slot, e in enumerate(chunk)}, [(e, slot) for slot, e in enumerate(chunk)])
-
-    def admit_prefetch(self, layer: int, candidates: list[int], protected: frozenset[int]) -> Admission:
-        """Nothing outlives a pass here, so a prefetch has nowhere to land: say so once, no error."""
-        if not getattr(self, "_said", False):
-            self._said = True
-            print("specfit: note: cache 'none' keeps no expert between passes, so it cannot prefetch; "
-                  "prefetches are ignored (use cache=lru)", file=sys.stderr)
-        return Admission({}, [])
 
     def resident(self) -> np.ndarray:
         return np.zeros((self.spec.num_layers, self.spec.num_experts), dtype=bool)
