@@ -34,6 +34,10 @@ KIND = "prefetch"  # the plug-in kind, as errors name it: "prefetch 'draft' (aft
 def check_request(prefetcher: Any, hook: str, layer: Any, experts: Any, layers: int, num_experts: int) -> tuple[int, list[int]]:
     """``(layer, experts)`` as ints in range, duplicates dropped in order; else a PluginError naming
     the prefetcher and ``hook``."""
+    if type(layer) is int and type(experts) is list and 0 <= layer < layers \
+            and all(type(e) is int and 0 <= e < num_experts for e in experts):
+        return layer, list(dict.fromkeys(experts))  # plain ints in range (a built-in's request): no more to check
+
     def bad(message: str) -> PluginError:
         return guard.violation(KIND, prefetcher, hook, message)
 
@@ -161,7 +165,10 @@ class LiveSink(PrefetchSink):
         self._layer_ema = 0.0  # measured compute seconds per MoE layer and token of a pass
 
     def _issue(self, layer: int, experts: list[int]) -> int:
-        return self.runtime.prefetch(layer, experts)  # the runtime skips experts resident or in flight
+        held = self.runtime.slot_expert[layer].tolist()
+        if all(e in held for e in experts):  # all resident or in flight (most look-ahead requests): nothing to ask
+            return 0
+        return self.runtime.prefetch(layer, experts)  # the runtime skips those held, and keeps them
 
     def arriving(self) -> np.ndarray | None:
         return self.runtime.arriving()

@@ -16,7 +16,7 @@ from drafters import ScriptedDrafter
 import specfit
 from specfit import Engine
 from specfit.core.calibration import CostConstants
-from specfit.core.prefetch import ModelledSink
+from specfit.core.prefetch import ModelledSink, check_request
 from specfit.core.tree import DraftTree
 from specfit.errors import PluginError
 from specfit.interfaces import PrefetcherBase, PrefetcherConfig
@@ -27,7 +27,7 @@ from specfit.plugins.cost_models.union import UnionCostModel
 from specfit.plugins.predictors.history import HistoryPredictor
 from specfit.plugins.prefetchers.auto import AutoPrefetcher
 from specfit.plugins.prefetchers.draft import DraftPrefetcher
-from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher
+from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher, _Router, fold_norm
 from specfit.plugins.prefetchers.none import NoPrefetcher
 from specfit.plugins.selectors.eagle3 import TopByPathProbSelector
 from specfit.plugins.selectors.none import NoDraftSelector
@@ -104,6 +104,45 @@ def test_output_is_ar_output_for_every_prefetcher_cache_and_method(prefetcher, c
         assert all(i > 0 and u > 0 for i, u in issued.values()), issued
     else:  # draft: only while drafting, with a predictor
         assert issued["ar"] == (0, 0) and issued["eagle3"][0] > 0 and issued["specfit"][0] > 0, issued
+
+
+def test_lookahead_folds_the_rmsnorm_into_the_router_and_picks_the_same_experts():
+    """``own`` computes top-k of x @ (router x norm scale).T: the same picks as norm then router."""
+    model = tiny_model()
+    with torch.no_grad():  # scales other than ones, so a fold that drops them is caught
+        for name, module in model.named_modules():
+            if name.endswith("post_attention_layernorm"):
+                module.weight.uniform_(0.2, 3.0, generator=torch.Generator().manual_seed(len(name)))
+    engine = Engine(model, cache=LRUCache(capacity=3), prefetcher=LookaheadPrefetcher(), device="cpu",
+                    selector=NoDraftSelector())
+    routers = engine.prefetcher.routers
+    assert all(r.folded is not None for r in routers)
+    hidden = torch.randn(64, engine.spec.hidden_size, generator=torch.Generator().manual_seed(3))
+    k = engine.spec.top_k
+    with torch.no_grad():
+        for r in routers:
+            want = torch.topk(r.norm(hidden) @ r.weight.T, k).indices
+            got = torch.topk(hidden @ r.folded.T, k).indices
+            assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+
+
+def test_lookahead_does_not_fold_a_norm_of_another_form_or_a_biased_router():
+    hidden_size, experts = 16, 4
+    weight = torch.randn(experts, hidden_size)
+    rms = torch.nn.RMSNorm(hidden_size, eps=1e-6)
+    with torch.no_grad():
+        rms.weight.uniform_(0.5, 1.5)
+    assert fold_norm(_Router(weight, None, rms), hidden_size) is not None
+    assert fold_norm(_Router(weight, torch.zeros(experts), rms), hidden_size) is None  # a bias: scaling changes top-k
+    assert fold_norm(_Router(weight, None, torch.nn.LayerNorm(hidden_size)), hidden_size) is None  # subtracts the mean
+
+
+def test_a_request_of_plain_ints_and_one_of_numpy_values_are_checked_alike():
+    assert check_request(None, "h", 1, [3, 1, 3], 2, 4) == (1, [3, 1])
+    assert check_request(None, "h", np.int64(1), np.array([3, 1, 3]), 2, 4) == (1, [3, 1])
+    for layer, experts in ((2, [0]), (True, [0]), (0, [4]), (0, [True]), (0, [-1])):
+        with pytest.raises(PluginError, match="out of range"):
+            check_request(None, "h", layer, experts, 2, 4)
 
 
 def check_slots(engine: Engine) -> None:

@@ -20,7 +20,9 @@ token 11.86 -> 11.90 ms: on a CPU the copies (the emulated link's real memcpy an
 1224 prefetches for 1021 used) and the hooks (about 0.8 ms per token) cost the host the time the
 hidden stall saved.
 Every token of the pass counts (AR steps, prefill and verification passes alike); each layer's
-experts go to the link most-picked first, at most ``per_layer`` of them.
+experts go to the link most-picked first, at most ``per_layer`` of them. ``own`` folds an RMSNorm's
+scale into the router weight (:func:`fold_norm`): a positive factor per token does not change its
+top-k, so the hook is one matmul, a top-k and one host read.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specfit.errors import ConfigError, ModelError
@@ -56,6 +59,7 @@ class _Router:
     weight: torch.Tensor
     bias: torch.Tensor | None
     norm: nn.Module  # the layer's post_attention_layernorm
+    folded: torch.Tensor | None = None  # weight x the norm's scale, when the norm may be folded (see fold_norm)
 
 
 class LookaheadPrefetcher(PrefetcherBase):
@@ -83,6 +87,9 @@ class LookaheadPrefetcher(PrefetcherBase):
             blocks.append(block)
             layers.append(layer)
             routers.append(find_router(block, layer, block_name))
+        if self.source in ("own", "both"):
+            for router in routers:
+                router.folded = fold_norm(router, spec.hidden_size)
         self.routers = routers
         for index, (block, layer) in enumerate(zip(blocks, layers)):
             if self.source in ("next", "both") and index + 1 < len(routers):
@@ -106,23 +113,44 @@ class LookaheadPrefetcher(PrefetcherBase):
 
     def _prefetch(self, layer: int, hidden: torch.Tensor, normalise: bool) -> None:
         """The router's top-k for every token of the pass; experts picked by more tokens first (one
-        token: in score order). Runs inside the target's forward (inference mode, no autograd)."""
+        token: in score order). Runs inside the target's forward (inference mode, no autograd).
+        Reading the picks is the hook's one host sync."""
         router = self.routers[layer]
         x = hidden.reshape(-1, hidden.shape[-1])
-        if normalise:
-            x = router.norm(x)
-        scores = x.to(router.weight.dtype) @ router.weight.T
-        if router.bias is not None:
-            scores = scores + router.bias
-        picks = torch.topk(scores, self.k, dim=-1).indices.cpu()  # the hook's one host sync
+        if normalise and router.folded is not None:  # one matmul: the norm's scale is in the weight
+            scores = F.linear(x.to(router.folded.dtype), router.folded)
+        else:
+            if normalise:
+                x = router.norm(x)
+            scores = F.linear(x.to(router.weight.dtype), router.weight, router.bias)
+        picks = torch.topk(scores, self.k, dim=-1).indices
         if picks.shape[0] == 1:
             order = picks[0].tolist()
         else:
-            counts = np.bincount(picks.reshape(-1).numpy(), minlength=router.weight.shape[0])
-            order = [int(e) for e in np.argsort(-counts, kind="stable") if counts[e] > 0]
+            counts = np.bincount(picks.cpu().reshape(-1).numpy(), minlength=router.weight.shape[0])
+            order = np.argsort(-counts, kind="stable")[: np.count_nonzero(counts)].tolist()
         if self.per_layer is not None:
             order = order[: self.per_layer]
         self.sink.prefetch(layer, order)
+
+
+def fold_norm(router: _Router, hidden_size: int) -> torch.Tensor | None:
+    """The router's weight with the norm's per-channel scale folded in, when that gives the same
+    picks: the norm is a positive per-token factor times ``x * scale`` (RMSNorm; checked on probe
+    rows) and the router has no bias, so top-k of ``x @ (weight * scale).T`` is top-k of
+    ``norm(x) @ weight.T`` up to rounding (a prediction either way). One matmul instead of the
+    norm's five ops; None when the norm is of another form."""
+    scale = getattr(router.norm, "weight", None)
+    if router.bias is not None or not isinstance(scale, torch.Tensor) or tuple(scale.shape) != (hidden_size,):
+        return None
+    probe = torch.randn(4, hidden_size, generator=torch.Generator().manual_seed(0)).to(scale.device)
+    with torch.no_grad():
+        normed = router.norm(probe.to(scale.dtype)).float()
+        unscaled = probe * scale.float()
+        factor = (normed * unscaled).sum(-1) / (unscaled * unscaled).sum(-1).clamp_min(1e-30)
+        if not bool((factor > 0).all()) or not torch.allclose(normed, factor[:, None] * unscaled, rtol=1e-2, atol=1e-5):
+            return None
+        return (router.weight.float() * scale.float()).to(router.weight.dtype)
 
 
 def find_router(block: nn.Module, layer: nn.Module, where: str) -> _Router:
