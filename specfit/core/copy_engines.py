@@ -129,6 +129,8 @@ class CopyEngine(Protocol):
 
 
 def _as_index(ids: torch.Tensor | Any, what: str) -> torch.Tensor:
+    if isinstance(ids, torch.Tensor) and ids.dtype == torch.int64 and ids.dim() == 1:
+        return ids  # the runtime's own ids: nothing to convert
     ids = torch.as_tensor(ids)
     if ids.dim() != 1:
         raise ValueError(f"{what} must be a 1-D tensor of ids, got shape {tuple(ids.shape)}")
