@@ -42,13 +42,16 @@ class LRUCache(ExpertCacheBase):
     def admit(self, layer: int, wanted: Sequence[int]) -> Admission:
         lru, free = self._lru[layer], self._free[layer]
         admitted: dict[int, int] = {}
-        for e in wanted:
-            if e in lru:
+        missing = []
+        for e in wanted:  # one pass: hits move to the most recently used end
+            slot = lru.get(e)
+            if slot is None:
+                missing.append(e)
+            else:
                 lru.move_to_end(e)
-                admitted[e] = lru[e]
-        room = self.capacity - len(admitted)
+                admitted[e] = slot
         loads = []
-        for e in [e for e in wanted if e not in lru][:room]:
+        for e in missing[: self.capacity - len(admitted)]:
             if free:
                 slot = free.pop()
             else:
