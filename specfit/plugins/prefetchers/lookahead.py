@@ -20,8 +20,8 @@ token 11.86 -> 11.90 ms: on a CPU the copies (the emulated link's real memcpy an
 1224 prefetches for 1021 used) and the hooks (about 0.8 ms per token) cost the host the time the
 hidden stall saved. Since then the hook folds the norm into the router (about 4x cheaper per call)
 and a CPU copy is a plain memcpy: host CPU time per token of AR with ``prefetch=auto`` over AR
-without, the same process and prompts, fell from 2.5 to 0.3 ms (4 prompts x 48 tokens x 3, link
-waits included; a loaded machine, so the figures are relative).
+without, the same process and prompts, fell from 2.3-2.5 to 0.3-0.8 ms (two runs of 4 prompts x
+48 tokens, with and without the link's waits; a loaded machine, so the figures are relative).
 Every token of the pass counts (AR steps, prefill and verification passes alike); each layer's
 experts go to the link most-picked first, at most ``per_layer`` of them. ``own`` folds an RMSNorm's
 scale into the router weight (:func:`fold_norm`): a positive factor per token does not change its
