@@ -9,6 +9,7 @@ import torch
 from conftest import tiny_model
 
 from specfit import Engine
+from specfit.core import copy_engines
 from specfit.core.copy_engines import CopyTicket, EmulatedLinkEngine, LinkSettings, TorchCopyEngine
 from specfit.plugins.caches.lru import LRUCache
 
@@ -110,6 +111,26 @@ def test_copy_is_issue_then_wait_and_charges_as_before():
     assert torch.equal(slots[3], store[4]) and torch.equal(slots[1], store[7])
     empty = link.issue(store, ids(), slots, ids())
     assert (empty.experts, empty.seconds, empty.wait()) == (0, 0.0, 0.0)
+
+
+def test_a_short_wait_spins_and_a_long_one_sleeps_only_beyond_the_spin(monkeypatch):
+    """The link's real wait: a host waiting on a device copy spins; only what lies beyond spin_s sleeps."""
+    now, slept = [0.0], []
+
+    def clock() -> float:  # each read is one turn of the spin loop
+        now[0] += 1e-5
+        return now[0]
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    monkeypatch.setattr(copy_engines.time, "perf_counter", clock)
+    monkeypatch.setattr(copy_engines.time, "sleep", sleep)
+    copy_engines._wait_until(1e-3)  # a per-layer wait on the demo: spun whole
+    assert now[0] >= 1e-3 and slept == []
+    copy_engines._wait_until(now[0] + 5e-3)
+    assert slept == [pytest.approx(3e-3, abs=1e-4)]
 
 
 def test_the_real_engines_issue_too():
