@@ -599,9 +599,9 @@ class EmulatedLinkEngine:
     ``seconds`` in the ticket and record is the charge; ``link_busy_seconds`` sums the charges.
     An empty batch launches no transfer and is charged nothing.
 
-    ``clock`` (default ``time.perf_counter``) and ``wait_until(deadline)`` (default: sleep then
-    spin until the clock reaches ``deadline``) are attributes, so tests can replace them and check
-    schedules by hand.
+    ``clock`` (default ``time.perf_counter``) and ``wait_until(deadline)`` (default: spin until the
+    clock reaches ``deadline``, sleeping only what lies beyond 2 ms) are attributes, so tests can
+    replace them and check schedules by hand.
     """
 
     name = "emulated"
