@@ -204,22 +204,35 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictC
             with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
                 cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
     except Exception as exc:  # hydra/omegaconf raise many types; all are config mistakes here
-        raise ConfigError(_unselected_group(exc, overrides) or one_line_config_error(exc)) from exc
+        raise ConfigError(_unselected_group(exc, overrides, config_name) or one_line_config_error(exc)) from exc
     check_config(cfg, relations=False)  # bench composes single overrides to see which methods they fit
     return cfg
 
 
-def _unselected_group(exc: BaseException, overrides: Sequence[str]) -> str | None:
+def _unselected_group(exc: BaseException, overrides: Sequence[str], config_name: str) -> str | None:
     """``group.key=value`` for a plug-in group that is null here (``acceptance``, ``cost_model``
     without a cost-aware method): name the key and the choice it needs, not OmegaConf's
-    "Unexpected type for root: NoneType"."""
+    "Unexpected type for root: NoneType". Which groups are null is found by composing again with
+    the group choices alone (only on this error path)."""
     if "Unexpected type for root: NoneType" not in str(exc):
         return None
-    chosen = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o and "." not in o.split("=", 1)[0]}
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    choices = [o for o in overrides if "=" in o and "." not in o.split("=", 1)[0]]
+    try:
+        if GlobalHydra.instance().is_initialized():
+            base = hydra_compose(config_name=config_name, overrides=choices)
+        else:
+            with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+                base = hydra_compose(config_name=config_name, overrides=choices)
+    except Exception:  # noqa: BLE001 - the choices themselves are wrong: Hydra's own message says so
+        return None
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
         group = key.split(".", 1)[0]
-        if "." in key and group not in chosen and group in PLUGIN_BASES:
+        if "." in key and group in PLUGIN_BASES and base.get(group) is None:
             return (f"{key}: no {group} plug-in is selected in this config, so it has no settings; "
                     f"choose one first, e.g. {group}=NAME {override} (`specfit plugins` lists the names)")
     return None

@@ -44,7 +44,7 @@ CASES: list[tuple[str, str, str]] = [
     (f"{S} stop_token_ids=[-3]", "stop_token_ids", LATE),
     (f"{S} stop_token_ids=[999999]", "stop_token_ids", LATE),
     # settings of a plug-in group that is not selected (null) in this config
-    (f"{S} acceptance.state_file=/tmp/x.json", "acceptance.state_file: no acceptance plug-in is selected", EARLY),
+    (f"{S} cache.capacity=4 acceptance.state_file=/tmp/x.json", "acceptance.state_file: no acceptance plug-in is selected", EARLY),
     (f"{S} cost_model.c0=2", "cost_model.c0: no cost_model plug-in is selected", EARLY),
     # lengths
     ("generate model=tiny prompt_ids=[1] max_new_tokens=0", "max_new_tokens", EARLY),
