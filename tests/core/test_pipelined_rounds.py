@@ -81,11 +81,16 @@ def check_computed_slots(runtime: offload.OffloadRuntime, log: RoundLog) -> list
 # ------------------------------------------------------------------------------ the rounds themselves
 
 
-def test_rounds_take_half_the_slots_resident_first_and_issue_the_next_rounds_copies_ahead():
-    cache = LRUCache(capacity=4)
+def _bound(cache: LRUCache) -> np.ndarray:
+    """Bind ``cache`` (4 slots) to the tiny model's spec; its empty slot table."""
     spec = Engine(tiny_model(), cache=LRUCache(capacity=4), device="cpu").spec
     cache.bind(spec)
-    slot_expert = np.full((spec.num_layers, 4), -1, dtype=np.int64)
+    return np.full((spec.num_layers, 4), -1, dtype=np.int64)
+
+
+def test_rounds_take_half_the_slots_resident_first_and_issue_the_next_rounds_copies_ahead():
+    cache = LRUCache(capacity=4)
+    slot_expert = _bound(cache)
     list(offload.admission_rounds(cache, slot_expert, 0, [1, 2]))  # 1 and 2 resident (slots 0, 1)
     rounds = list(offload.admission_rounds(cache, slot_expert, 0, [1, 2, 3, 4, 5, 6, 7]))
     assert [sorted(r.slots) for r in rounds] == [[1, 2], [3, 4], [5, 6], [7]]
@@ -115,9 +120,7 @@ class Spiteful(LRUCache):
 
 def test_a_copy_into_a_slot_of_the_computing_round_waits_for_the_next_round():
     cache = Spiteful(capacity=4)
-    spec = Engine(tiny_model(), cache=LRUCache(capacity=4), device="cpu").spec
-    cache.bind(spec)
-    slot_expert = np.full((spec.num_layers, 4), -1, dtype=np.int64)
+    slot_expert = _bound(cache)
     rounds = list(offload.admission_rounds(cache, slot_expert, 1, [0, 1, 2, 3, 4, 5, 6, 7, 8]))
     assert sorted(e for r in rounds for e in r.slots) == list(range(9))
     held_back = 0
