@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from specfit.core import guard
-from specfit.core.offload import check_prefetch_admission
+from specfit.core.offload import can_prefetch, check_prefetch_admission
 from specfit.errors import PluginError, SpecfitError
 
 KIND = "prefetch"  # the plug-in kind, as errors name it: "prefetch 'draft' (after_level): ..."
@@ -249,12 +249,11 @@ class ModelledSink(PrefetchSink):
         return max(self._link_free - self._now, 0.0)
 
     def _issue(self, layer: int, experts: list[int]) -> int:
-        admit = getattr(self.cache, "admit_prefetch", None)
         row = self.slot_expert[layer]
         candidates = [e for e in experts if e not in set(row.tolist())]
         if not candidates:
             return 0
-        if admit is None:
+        if not can_prefetch(self.cache):  # as the live runtime decides: the base hook admits nothing
             if not self._cannot:
                 self.note(f"cache '{guard.plugin_name(self.cache)}' cannot prefetch (no admit_prefetch)")
                 self._cannot = True

@@ -336,6 +336,19 @@ def test_modelled_link_is_fifo_and_charges_the_wait_of_a_layer():
     assert stall == pytest.approx(wait0 + wait1) and sink.used == 3
 
 
+def test_modelled_link_says_once_that_cache_none_cannot_prefetch():
+    """Replay decides as the live runtime does: a cache without its own admit_prefetch (none, whose
+    base hook admits nothing) copies nothing ahead, and the run's notes say so once."""
+    spec = tiny_model_spec()
+    cache = NoCache()
+    slot_expert = np.full((spec.num_layers, cache.bind(spec)), -1, dtype=np.int64)
+    sink = ModelledSink(DraftPrefetcher(), spec, cache, slot_expert, CONSTANTS)
+    sink.begin_cycle()
+    assert sink.prefetch(0, [1, 2]) == 0 and sink.prefetch(1, [3]) == 0
+    assert [n for n in sink.notes if "cannot prefetch" in n] == ["cache 'none' cannot prefetch (no admit_prefetch)"]
+    assert (slot_expert == -1).all()
+
+
 def tiny_model_spec():
     from specfit.core.moe import find_experts, moe_spec
 
