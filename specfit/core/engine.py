@@ -177,6 +177,7 @@ class Engine:
         out: list[int] = []
         with torch.inference_mode():
             start = _now(self.device)
+            before_prefill = self.runtime.stats.copy()
             prefill = self.target.prefill(ids)
             out.append(sampler.token(prefill.logits[-1], 0))
             cycle.root_prob = target_prob(prefill.logits[-1], out[-1], sampler)  # the first root's, for estimators
@@ -187,6 +188,7 @@ class Engine:
                 observer.on_prefill(ids, prefill.routing, out[-1])
             stats.prefill_seconds = _now(self.device) - start
             decode_start = self.runtime.stats.copy()
+            stats.prefill_cache = decode_start.since(before_prefill)
             while out[-1] not in self.stop_token_ids:
                 context_room = self._context_room(len(ids) + len(out))
                 room = limit - len(out) if context_room is None else min(limit - len(out), context_room)

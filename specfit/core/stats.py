@@ -59,6 +59,7 @@ class RunStats:
     total_seconds: float = 0.0
     cycles: list[CycleRecord] = field(default_factory=list)
     cache: CacheStats | None = None  # decode phase only (prefill excluded)
+    prefill_cache: CacheStats | None = None  # the prefill pass's copies and stall (part of ttft)
     info: dict[str, Any] = field(default_factory=dict)  # engine description (cache, copy engine, ...)
     finish_reason: str = "length"  # "stop" (a stop token) | "length" (max_new_tokens or the context limit)
 
@@ -89,6 +90,9 @@ class RunStats:
             # the pipelined runtime: time compute waited on copies, the link's transfer time, prefetches
             "h2d_stall_seconds": cache.h2d_stall_seconds if cache else 0.0,
             "link_busy_seconds": cache.link_busy_seconds if cache else 0.0,
+            # the prefill's own (not in the counts above): with them, the stall of the whole run
+            "prefill_h2d_seconds": self.prefill_cache.h2d_seconds if self.prefill_cache else 0.0,
+            "prefill_h2d_stall_seconds": self.prefill_cache.h2d_stall_seconds if self.prefill_cache else 0.0,
             "prefetch_issued": cache.prefetch_issued if cache else 0,
             "prefetch_used": cache.prefetch_used if cache else 0,
             "prefetch_wasted": cache.prefetch_wasted if cache else 0,

@@ -160,6 +160,17 @@ def test_without_prefetch_every_copy_is_a_stall():
     assert stats["prefetch_issued"] == stats["prefetch_used"] == stats["prefetch_wasted"] == 0
 
 
+def test_the_prefills_copies_and_stall_are_reported_apart_from_the_decodes():
+    clock = FakeClock()
+    engine = build(clock)
+    before = engine.runtime.stats.copy()
+    stats = engine.generate(PROMPT, max_new_tokens=4).stats
+    whole = engine.runtime.stats.since(before)
+    assert stats["prefill_h2d_seconds"] > 0  # the prompt's routing needs experts beyond 3 slots
+    assert stats["prefill_h2d_seconds"] + stats["h2d_seconds"] == pytest.approx(whole.h2d_seconds)
+    assert stats["prefill_h2d_stall_seconds"] + stats["h2d_stall_seconds"] == pytest.approx(whole.h2d_stall_seconds)
+
+
 def test_a_prefetch_arrives_and_is_used_by_the_next_pass():
     clock = FakeClock()
     engine = build(clock, capacity=4)
