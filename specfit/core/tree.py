@@ -110,15 +110,21 @@ class DraftTree:
             self.entropy = grown
         self.entropy[nodes] = values
 
+    def node_entropy(self) -> np.ndarray:
+        """float32 [len(tree)]: the head's entropy at each node (NaN where it did not expand it or
+        did not tell; ``entropy`` may be shorter than the tree: levels added after the last record)."""
+        out = np.full(len(self.tokens), np.nan, dtype=np.float32)
+        if self.entropy is not None:
+            known = min(len(self.entropy), len(self.tokens))
+            out[:known] = self.entropy[:known]
+        return out
+
     def parent_entropy(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """float64 [stop - start]: the head's entropy at the parent of each of nodes ``start:stop``
         (NaN where it is not known)."""
         stop = len(self.tokens) if stop is None else stop
         parents = np.asarray(self.parents[start:stop], dtype=np.int64)
-        known = np.full(len(self.tokens) + 1, np.nan)  # the last entry stands for the root
-        if self.entropy is not None:
-            known[: min(len(self.entropy), len(self.tokens))] = self.entropy[: len(self.tokens)]
-        known[-1] = self.root_entropy
+        known = np.append(self.node_entropy().astype(np.float64), self.root_entropy)  # the last: the root
         return known[np.where(parents == ROOT, len(self.tokens), parents)]
 
     def path_probs(self) -> np.ndarray:

@@ -75,7 +75,7 @@ class _SequenceBuilder:
             np.asarray(tree.parents, dtype=np.int32),  # tree indices are the local ones; ROOT is -1
             np.asarray(tree.depths, dtype=np.int16),
             np.asarray(tree.log_probs, dtype=np.float64),
-            _node_entropy(tree),
+            tree.node_entropy(),
         ))
         self.verified.append((
             np.asarray(block.nodes, dtype=np.int32),  # ascending tree indices
@@ -123,15 +123,6 @@ class _SequenceBuilder:
             root_entropy=np.asarray(self.root_entropy, dtype=np.float32),
             root_prob=np.asarray(self.root_prob, dtype=np.float64),
         )
-
-
-def _node_entropy(tree: DraftTree) -> np.ndarray:
-    """float32 [len(tree)]: the head's entropy at each node (NaN where it did not expand it or did not tell)."""
-    out = np.full(len(tree), np.nan, dtype=np.float32)
-    if tree.entropy is not None:
-        known = min(len(tree.entropy), len(tree))
-        out[:known] = tree.entropy[:known]
-    return out
 
 
 class TraceRecorder:
