@@ -250,7 +250,8 @@ class ModelledSink(PrefetchSink):
 
     def _issue(self, layer: int, experts: list[int]) -> int:
         row = self.slot_expert[layer]
-        candidates = [e for e in experts if e not in set(row.tolist())]
+        held = set(row.tolist())
+        candidates = [e for e in experts if e not in held]
         if not candidates:
             return 0
         if not can_prefetch(self.cache):  # as the live runtime decides: the base hook admits nothing
