@@ -547,14 +547,8 @@ def check_prefetch_admission(policy: ExpertCache, slots: np.ndarray, layer: int,
     def bad(message: str) -> PluginError:
         return guard.violation("cache", policy, "admit_prefetch", f"layer {layer}: {message}")
 
-    chosen_slots = getattr(admission, "slots", None)
-    loads = getattr(admission, "loads", None)
-    if not isinstance(chosen_slots, dict) or not isinstance(loads, (list, tuple)):
-        raise bad(f"returned {type(admission).__name__}, expected an Admission(slots: dict, loads: list)")
-    try:
-        loaded = dict(loads)
-    except (TypeError, ValueError):
-        raise bad("loads must be (expert, slot) pairs") from None
+    chosen_slots, loads = _admission_fields(admission, bad)
+    loaded = _loads_by_expert(loads, bad)
     if len(loaded) != len(loads) or len(set(loaded.values())) != len(loads):
         raise bad("lists an expert twice, or two experts in one slot, in its loads")
     if loaded != chosen_slots:
@@ -563,12 +557,34 @@ def check_prefetch_admission(policy: ExpertCache, slots: np.ndarray, layer: int,
     for expert, slot in loaded.items():
         if expert not in wanted:
             raise bad(f"prefetches expert {expert!r:.20}, which was not a candidate")
-        if isinstance(slot, (bool, np.bool_)) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < len(slots):
+        if not _is_slot(slot, len(slots)):
             raise bad(f"puts expert {expert} in slot {slot!r:.20}, outside 0..{len(slots) - 1}")
         if int(slots[slot]) in protected:
             raise bad(f"evicts expert {int(slots[slot])} from slot {slot}, which is in flight or needed by the "
                       "layer now computing")
     return [(int(e), int(s)) for e, s in loaded.items()]
+
+
+def _admission_fields(admission: Any, bad: Callable[[str], PluginError]) -> tuple[dict, list | tuple]:
+    """An admission's ``slots`` (dict) and ``loads`` (list), or the error ``bad`` makes of its type."""
+    chosen_slots = getattr(admission, "slots", None)
+    loads = getattr(admission, "loads", None)
+    if not isinstance(chosen_slots, dict) or not isinstance(loads, (list, tuple)):
+        raise bad(f"returned {type(admission).__name__}, expected an Admission(slots: dict, loads: list)")
+    return chosen_slots, loads
+
+
+def _loads_by_expert(loads: list | tuple, bad: Callable[[str], PluginError]) -> dict:
+    """``{expert: slot}`` of an admission's loads, or the error ``bad`` makes when they are not pairs."""
+    try:
+        return dict(loads)
+    except (TypeError, ValueError):
+        raise bad("loads must be (expert, slot) pairs") from None
+
+
+def _is_slot(slot: Any, slots: int) -> bool:
+    """Whether ``slot`` is an integer slot index in ``0..slots - 1`` (a bool is not)."""
+    return not isinstance(slot, (bool, np.bool_)) and isinstance(slot, (int, np.integer)) and 0 <= slot < slots
 
 
 def _check_admission(policy: ExpertCache, slots: np.ndarray, layer: int, wanted: list[int], admission: Admission) -> None:
@@ -577,26 +593,20 @@ def _check_admission(policy: ExpertCache, slots: np.ndarray, layer: int, wanted:
     def bad(message: str) -> PluginError:
         return guard.violation("cache", policy, "admit", f"layer {layer}: {message}")
 
-    chosen_slots = getattr(admission, "slots", None)
-    loads = getattr(admission, "loads", None)
-    if not isinstance(chosen_slots, dict) or not isinstance(loads, (list, tuple)):
-        raise bad(f"returned {type(admission).__name__}, expected an Admission(slots: dict, loads: list)")
+    chosen_slots, loads = _admission_fields(admission, bad)
     if not chosen_slots:
         raise bad(f"admitted none of the wanted experts {wanted[:8]}{'...' if len(wanted) > 8 else ''}")
     chosen = list(chosen_slots.values())
     if len(set(chosen)) != len(chosen):
         raise bad("put two experts in one slot")
-    try:
-        loaded = dict(loads)
-    except (TypeError, ValueError):
-        raise bad("loads must be (expert, slot) pairs") from None
+    loaded = _loads_by_expert(loads, bad)
     if len(loaded) != len(loads):
         raise bad("lists an expert twice in its loads")
     wanted_set = set(wanted)
     for expert, slot in chosen_slots.items():
         if expert not in wanted_set:
             raise bad(f"admitted expert {expert!r:.20}, which was not wanted")
-        if isinstance(slot, (bool, np.bool_)) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < len(slots):
+        if not _is_slot(slot, len(slots)):
             raise bad(f"admitted expert {expert} to slot {slot!r:.20}, outside 0..{len(slots) - 1}")
         if expert not in loaded and slots[slot] != expert:
             raise bad(f"claims expert {expert} is resident in slot {slot}, it is not")
