@@ -194,8 +194,10 @@ class OffloadRuntime:
         self._computing = (-1, _NONE)
 
     def add_layer_listener(self, fn: Callable[[int, torch.Tensor], None]) -> None:
-        """Call ``fn(layer, hidden)`` at the start of each MoE layer's expert compute, before its
-        routing is read (prefetchers look ahead from the hidden states there)."""
+        """Call ``fn(layer, hidden)`` once per MoE layer and pass, with the layer's (normalised)
+        expert input, once the layer has issued all its copies (before its last round computes).
+        A prefetch for a later layer issued there queues behind this layer's own copies on the
+        FIFO link (it cannot delay them) and travels while this layer computes."""
         self._listeners.append(fn)
 
     def routing(self) -> np.ndarray:
@@ -212,8 +214,6 @@ class OffloadRuntime:
         act_fn: nn.Module | None,
     ) -> torch.Tensor:
         spec = self.spec
-        for listener in self._listeners:
-            listener(layer, hidden)
         tokens, k = top_k_index.shape
         flat = top_k_index.reshape(-1).to("cpu", torch.int64)  # the one host sync of the layer
         self._routing[layer] = flat.view(tokens, k)
@@ -225,6 +225,7 @@ class OffloadRuntime:
         out = torch.zeros(tokens * k, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
         slot_of = self._slot_of  # -1 outside a round's call
         stats = self.stats
+        listeners, uncomputed = self._listeners, len(needed)
         for rnd in admission_rounds(self.policy, self.slot_expert, layer, needed):
             experts = np.fromiter(rnd.slots, np.int64, len(rnd.slots))
             self._computing = (layer, experts)
@@ -232,6 +233,10 @@ class OffloadRuntime:
                 self._issue(layer, rnd.fresh)
             if rnd.ahead:  # the next round's copies, on the link while this round computes
                 self._issue(layer, rnd.ahead)
+            uncomputed -= len(rnd.slots)
+            if listeners and uncomputed == 0:  # the last round: every copy of this layer is on the link
+                for listener in listeners:
+                    listener(layer, hidden)
             stats.misses += len(rnd.loads)
             stats.hits += len(rnd.slots) - len(rnd.loads)
             self._wait_for(layer, rnd.slots)

@@ -106,6 +106,30 @@ def test_output_is_ar_output_for_every_prefetcher_cache_and_method(prefetcher, c
         assert issued["ar"] == (0, 0) and issued["eagle3"][0] > 0 and issued["specfit"][0] > 0, issued
 
 
+@pytest.mark.parametrize("source", ["own", "next", "both"])
+def test_lookahead_next_prefetches_queue_behind_the_layers_own_copies(source):
+    """``next`` asks for layer l+1's experts once layer l has issued its own copies, so on the FIFO
+    link they never delay the layer computing now; every source keeps AR's output."""
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=3), prefetcher=LookaheadPrefetcher(source=source),
+                    device="cpu", selector=NoDraftSelector())
+    runtime, order = engine.runtime, []
+    issue = runtime._issue
+
+    def recording_issue(layer, loads, prefetch=False, count=True):
+        order.append((runtime.stats.passes, layer, prefetch))
+        return issue(layer, loads, prefetch, count)
+
+    runtime._issue = recording_issue
+    out = engine.generate(PROMPT, max_new_tokens=N)
+    assert out.token_ids == reference()[len(PROMPT):]
+    assert out.stats["prefetch_issued"] > 0
+    if source == "own":
+        return
+    for i, (pass_, layer, prefetch) in enumerate(order):
+        if prefetch and layer > 0:  # asked for on layer l's input: no copy of layer l may follow it
+            assert not [e for e in order[i + 1:] if e[:2] == (pass_, layer - 1)], (i, order[max(0, i - 6):i + 2])
+
+
 def test_lookahead_folds_the_rmsnorm_into_the_router_and_picks_the_same_experts():
     """``own`` computes top-k of x @ (router x norm scale).T: the same picks as norm then router."""
     model = tiny_model()
