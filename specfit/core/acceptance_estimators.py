@@ -17,11 +17,13 @@ scored before the estimator learns from the same tree (prequential), as a live r
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
+from specfit.core import guard
 from specfit.core.tree import ROOT, DraftTree, greedy_outcomes
 from specfit.errors import ConfigError, PluginError
 
@@ -190,7 +192,12 @@ def attach_acceptance(selector: Any, node: Any) -> None:
 
     ``selector.acceptance=NAME`` is the earlier spelling of ``acceptance=NAME`` and still works;
     given both, they must agree."""
-    if node is None or getattr(selector, "set_acceptance", None) is None:
+    if node is None:
+        return
+    if getattr(selector, "set_acceptance", None) is None:  # say so: a state_file given here is not read either
+        name = node.get("name") if hasattr(node, "get") else None
+        print(f"specfit: note: acceptance={name} is not used by selector={guard.plugin_name(selector)} "
+              "(only the cost-aware selectors, such as specfit, use acceptance estimates)", file=sys.stderr)
         return
     from specfit.registry import get_plugins
 

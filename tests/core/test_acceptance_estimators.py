@@ -85,13 +85,14 @@ def selector_for(cfg):
     return selector
 
 
-def test_the_acceptance_group_reaches_the_selector_with_its_settings():
+def test_the_acceptance_group_reaches_the_selector_with_its_settings(capsys):
     selector = selector_for(compose([*SPECFIT, "acceptance=learned", "acceptance.prior_strength=5"]))
     assert isinstance(selector.estimator, LearnedAcceptance) and selector.estimator.prior_strength == 5
     assert isinstance(selector_for(compose(SPECFIT)).estimator, PathProbAcceptance)  # the default
     eagle3 = get_plugins()["selector"].create(compose(["model=tiny", "acceptance=learned"]).selector)
     attach_acceptance(eagle3, compose(["model=tiny", "acceptance=learned"]).acceptance)  # ignored: no estimates used
     assert not hasattr(eagle3, "estimator")
+    assert "note: acceptance=learned is not used by selector=eagle3" in capsys.readouterr().err  # said, not silent
     assert "acceptance=calibrated" in compose([]).method_presets["specfit_calibrated"]
 
 
