@@ -14,8 +14,8 @@ result does not depend on how rounds were split. Reading the routing is the laye
 Copies are asynchronous (:mod:`specfit.core.copy_engines`): each issued batch leaves a pending
 ticket on the slots it writes, and a layer waits only on the slots it is about to compute with,
 counting the blocked time as ``h2d_stall_seconds``. ``prefetch`` issues copies ahead of need
-through the policy's ``admit_prefetch``; an expert in flight, or admitted by the layer now
-computing, is protected from eviction by a prefetch.
+through the policy's ``admit_prefetch``; an expert in flight, or needed by the layer now
+computing (any of its rounds), is protected from eviction by a prefetch.
 
 The experts' only host copy is a :class:`~specfit.core.expert_store.HostExpertStore`: given by the
 loader (the model's experts modules may then be meta tensors) or built from the modules, which
@@ -166,7 +166,7 @@ class OffloadRuntime:
         self._pending: list[dict[int, CopyTicket]] = [{} for _ in range(spec.num_layers)]
         # prefetched experts no pass has used yet: {slot: expert} per layer
         self._prefetched: list[dict[int, int]] = [{} for _ in range(spec.num_layers)]
-        self._computing: tuple[int, np.ndarray] = (-1, _NONE)  # layer now computing, its round's experts
+        self._computing: tuple[int, np.ndarray] = (-1, _NONE)  # layer now computing, every expert its pass needs
         self._slot_of = np.full(spec.num_experts, -1, dtype=np.int64)  # a round's expert -> slot, -1 elsewhere
         self._listeners: list[Callable[[int, torch.Tensor], None]] = []
         self._said_no_prefetch = False
@@ -226,9 +226,10 @@ class OffloadRuntime:
         slot_of = self._slot_of  # -1 outside a round's call
         stats = self.stats
         listeners, uncomputed = self._listeners, len(needed)
+        # a prefetch meanwhile must not evict any of them: rounds admit ahead of computing
+        self._computing = (layer, np.asarray(needed, dtype=np.int64))
         for rnd in admission_rounds(self.policy, self.slot_expert, layer, needed):
             experts = np.fromiter(rnd.slots, np.int64, len(rnd.slots))
-            self._computing = (layer, experts)
             if rnd.fresh:
                 self._issue(layer, rnd.fresh)
             if rnd.ahead:  # the next round's copies, on the link while this round computes
@@ -244,6 +245,7 @@ class OffloadRuntime:
             plan = self.compute.plan(slot_of[routed], self.slots_per_layer, hidden.device)
             slot_of[experts] = -1
             self.compute.run(self._views[layer], hidden, weights, k, plan, spec.layout, act_fn, out)
+        self._computing = (-1, _NONE)
         # float32 sum over each token's top-k, in a fixed order, then one rounding to the hidden dtype
         return out.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
 
@@ -254,9 +256,9 @@ class OffloadRuntime:
         the experts actually issued.
 
         Experts already in a slot are skipped; the rest go to the policy's ``admit_prefetch`` with
-        the protected experts (in flight, admitted by the layer now computing, or asked for by this
-        prefetch and already in a slot), which it must not evict: the admission is checked like ``admit``'s, a violation is a PluginError naming the
-        cache, and nothing is copied then.
+        the protected experts (in flight, needed by the layer now computing, or asked for by this
+        prefetch and already in a slot), which it must not evict: the admission is checked like
+        ``admit``'s, a violation is a PluginError naming the cache, and nothing is copied then.
         """
         spec = self.spec
         if not 0 <= int(layer) < spec.num_layers:
@@ -303,8 +305,8 @@ class OffloadRuntime:
         return out
 
     def _protected(self, layer: int) -> frozenset[int]:
-        """Experts of ``layer`` a prefetch must not evict: in flight, or admitted by the layer now
-        computing."""
+        """Experts of ``layer`` a prefetch must not evict: in flight, or needed by the layer now
+        computing (all its rounds: a later round's experts may be admitted already)."""
         computing, admitted = self._computing
         if computing != layer:
             return self._in_flight(layer)

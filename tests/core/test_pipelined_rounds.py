@@ -312,15 +312,28 @@ def random_prefetches(runtime: offload.OffloadRuntime, seed: int):  # noqa: ANN2
     return listener
 
 
+@pytest.mark.parametrize("every_round", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_no_slot_is_overwritten_while_a_round_computes_under_a_fuzzed_policy(monkeypatch, seed):
+def test_no_slot_is_overwritten_while_a_round_computes_under_a_fuzzed_policy(monkeypatch, seed, every_round):
+    """Random prefetches of this layer and the next, from the runtime's layer listener or before
+    every round computes (then the rounds admitted ahead, not only the computing one, are at stake)."""
     log = RoundLog(monkeypatch)
     model = tiny_model()
     expected = hf_greedy(model, PROMPT, 12)
     drafter = ScriptedDrafter(PROMPT + expected, vocab=256, branching=2, depth=3, seed=seed)
     engine = Engine(model, cache=Chaotic(capacity=4, seed=seed), copy="emulated", link=LinkSettings(latency_us=1.0),
                     drafter=drafter, device="cpu")
-    engine.runtime.add_layer_listener(random_prefetches(engine.runtime, seed))
+    prefetching = random_prefetches(engine.runtime, seed)
+    if every_round:
+        wait_for = engine.runtime._wait_for
+
+        def prefetch_then_wait(layer, admitted):  # noqa: ANN001, ANN202
+            prefetching(layer, None)
+            return wait_for(layer, admitted)
+
+        engine.runtime._wait_for = prefetch_then_wait
+    else:
+        engine.runtime.add_layer_listener(prefetching)
     checked = check_computed_slots(engine.runtime, log)
     assert engine.generate(PROMPT, max_new_tokens=12).token_ids == expected
     assert len(checked) == len(log.rounds) and log.ahead() > 0
