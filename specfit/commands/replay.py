@@ -84,7 +84,8 @@ def replay_config(trace: Trace, cfg: DictConfig, name: str, model: Any, draft_ti
             from specfit.plugins.selectors.none import NoDraftSelector
 
             made["selector"] = NoDraftSelector()
-        attach_acceptance(made["selector"], cfg.get("acceptance"))
+        if not oracle:  # the oracle knows the outcomes: no estimator, and no note that it uses none
+            attach_acceptance(made["selector"], cfg.get("acceptance"))
         if cfg.replay.get("cost_profile") is not None and made["cost_model"] is not None:  # charged and planned with
             made["cost_model"].set_constants(cost_profile(cfg.replay.cost_profile).constants)
         return made
