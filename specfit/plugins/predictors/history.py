@@ -71,12 +71,13 @@ class HistoryPredictor(ExpertPredictorBase):
         self.probe = RouterProbe(target.model, spec)
         self._last_token: int | None = None
 
-    def _scores(self, previous: int | None, token: int) -> np.ndarray:
+    def _scores(self, previous: int | None, token: int, prior: np.ndarray) -> np.ndarray:
+        """``prior`` (the layer-wide frequencies, weighted) plus the token's and the pair's frequencies."""
         own = self.single.get(token)
-        scores = self.prior * self.overall / self.overall.sum(axis=1, keepdims=True) + own / own[0].sum()
+        scores = prior + own / own[0].sum()
         pair = self.pairs.get((previous, token)) if previous is not None else None
         if pair is not None:
-            scores = scores + self.pair_weight * pair / pair[0].sum()
+            scores += self.pair_weight * pair / pair[0].sum()
         return scores
 
     def _top_k(self, previous: Sequence[int | None], tokens: Sequence[int]) -> np.ndarray:
@@ -89,7 +90,8 @@ class HistoryPredictor(ExpertPredictorBase):
         if unseen:
             out[unseen] = np.stack(self.probe.experts([tokens[i] for i in unseen]))
         if seen:
-            scores = np.stack([self._scores(previous[i], tokens[i]) for i in seen])  # [n, layers, experts]
+            prior = self.prior * self.overall / self.overall.sum(axis=1, keepdims=True)  # once per call
+            scores = np.stack([self._scores(previous[i], tokens[i], prior) for i in seen])  # [n, layers, experts]
             top = np.argpartition(-scores, self.k - 1, axis=2)[:, :, : self.k]
             order = np.argsort(-np.take_along_axis(scores, top, 2), axis=2)
             out[seen] = np.take_along_axis(top, order, 2)
