@@ -23,7 +23,7 @@ from typing import Any, Iterable, Sequence
 
 from specfit.errors import ConfigError
 from specfit.files import check_writable, read_jsonl, write_atomic
-from specfit.results import comparison_table, mean_stats
+from specfit.results import comparison_table, mean_stats, paired_fields
 
 SWEEP_KEYS_IGNORED = {"prompt", "prompt_ids", "workload", "methods", "method_presets", "workloads", "results_file",
                       "selector", "drafter", "cost_model", "predictor", "cache.name", "hydra"}
@@ -134,7 +134,7 @@ def group(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for (workload, label, *values), members in groups.items():
         suffix = ", ".join(f"{a.split('.')[-1]}={json.loads(v)}" for a, v in zip(axes, values))
         summary.append({**mean_stats(members), "workload": workload, "method": f"{label} ({suffix})" if suffix else label,
-                        "runs": len(members)})
+                        "runs": len(members), "_runs": members})  # _runs: for the paired ratios, not written
     return summary
 
 
@@ -154,7 +154,10 @@ def write_report(paths: Sequence[str | Path], out_dir: str | Path) -> Path:
         lines += ["H2D times are **emulated** (`cache.copy=emulated`): each copy was charged the reference link's time.", ""]
     for workload in sorted({s["workload"] for s in summary}):
         part = [s for s in summary if s["workload"] == workload]
-        lines += [f"## Workload {workload}", "", "```", comparison_table(part, baseline=_baseline(part)), "```", ""]
+        base = _baseline(part)
+        base_runs = next(s["_runs"] for s in part if s["method"] == base)
+        part = [{**s, **paired_fields(s["_runs"], base_runs)} for s in part]
+        lines += [f"## Workload {workload}", "", "```", comparison_table(part, baseline=base), "```", ""]
     if any(s.get("prefetch_issued") for s in summary):
         lines += ["Prefetch: `pf prec` = prefetched experts a pass then used / experts prefetched; `pf recall` = "
                   "prefetched experts used / (those + misses), the share of the copies the passes needed that "

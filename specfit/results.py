@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from specfit.files import append_jsonl_lines
@@ -73,6 +76,7 @@ COLUMNS = [
     ("method", "method", "{}"),
     ("tok/s", "output_throughput", "{:.2f}"),
     ("vs base", "speedup", "{:.2f}x"),
+    ("paired [95% CI]", "paired_text", "{}"),
     ("vs eagle3_nc", "speedup_vs_eagle3_nocache", "{:.2f}x"),
     ("accept len", "spec_decode_acceptance_length", "{:.2f}"),
     ("verified/cyc", "verified_nodes_per_cycle", "{:.1f}"),
@@ -110,6 +114,63 @@ def prefetch_figures(stats: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+@dataclass(frozen=True)
+class PairedRatio:
+    """A method's speed over the baseline's, run by run: the geometric mean of the per-run ratios
+    of tokens per second (runs paired by prompt and repeat, so each pair ran under the same load)
+    and a 95% bootstrap interval over the pairs."""
+
+    ratio: float
+    low: float
+    high: float
+    pairs: int
+
+    def text(self) -> str:
+        return f"{self.ratio:.2f}x [{self.low:.2f}-{self.high:.2f}]"
+
+
+def paired_ratio(runs: Sequence[dict[str, Any]], base_runs: Sequence[dict[str, Any]],
+                 resamples: int = 2000, seed: int = 0) -> PairedRatio | None:
+    """:class:`PairedRatio` of ``runs`` over ``base_runs``: paired by workload, prompt and repeat
+    where the rows say them (results files), else in order (a bench's runs of one job); None
+    without a usable pair. On a shared machine the same method's speed moves by 10% or more from
+    one prompt to the next, and a ratio of totals hides how much of a difference that noise could
+    make; the interval says whether a run resolved it (fixed seed: reproducible)."""
+    logs = [math.log(_speed(r) / _speed(b)) for r, b in _pairs(runs, base_runs) if _speed(r) > 0 and _speed(b) > 0]
+    if not logs:
+        return None
+    values = np.asarray(logs)
+    rng = np.random.default_rng(seed)
+    means = values[rng.integers(0, len(values), size=(resamples, len(values)))].mean(axis=1)
+    low, high = np.percentile(means, [2.5, 97.5])
+    return PairedRatio(math.exp(values.mean()), math.exp(low), math.exp(high), len(values))
+
+
+def paired_fields(runs: Sequence[dict[str, Any]], base_runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A summary's paired speed-up over the baseline: ``speedup_paired``, ``speedup_ci95_low``,
+    ``speedup_ci95_high`` and ``paired_runs`` (nothing without a pair)."""
+    paired = paired_ratio(runs, base_runs)
+    if paired is None:
+        return {}
+    return {"speedup_paired": paired.ratio, "speedup_ci95_low": paired.low, "speedup_ci95_high": paired.high,
+            "paired_runs": paired.pairs}
+
+
+_PAIR_KEYS = ("workload", "prompt_index", "repeat")
+
+
+def _pairs(runs: Sequence[dict[str, Any]], base_runs: Sequence[dict[str, Any]]) -> list[tuple[dict, dict]]:
+    if all(k in r for r in (*runs, *base_runs) for k in _PAIR_KEYS[1:]):
+        base = {tuple(b.get(k) for k in _PAIR_KEYS): b for b in base_runs}
+        return [(r, base[key]) for r in runs if (key := tuple(r.get(k) for k in _PAIR_KEYS)) in base]
+    return list(zip(runs, base_runs))
+
+
+def _speed(run: dict[str, Any]) -> float:
+    seconds = run.get("total_seconds", 0.0)
+    return run.get("num_output_tokens", 0) / seconds if seconds else 0.0
+
+
 def comparison_table(rows: Sequence[dict[str, Any]], baseline: str | None = None) -> str:
     """A fixed-width table of per-method means; speedups are relative to ``baseline`` (default: the
     first row) and to vanilla EAGLE-3 without a cache when it was run."""
@@ -121,6 +182,8 @@ def comparison_table(rows: Sequence[dict[str, Any]], baseline: str | None = None
     for r in rows:
         r = dict(r, h2d_mb=r.get("h2d_bytes", 0) / 1e6, **prefetch_figures(r))
         r["speedup"] = r["output_throughput"] / base["output_throughput"] if base["output_throughput"] else 0.0
+        if "speedup_paired" in r:
+            r["paired_text"] = PairedRatio(r["speedup_paired"], r["speedup_ci95_low"], r["speedup_ci95_high"], 0).text()
         if vanilla is not None and vanilla["output_throughput"]:
             r["speedup_vs_eagle3_nocache"] = r["output_throughput"] / vanilla["output_throughput"]
         table.append([fmt.format(r[key]) if key in r else "-" for _, key, fmt in COLUMNS])

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from specfit.cli import main
@@ -112,3 +113,44 @@ def test_bench_rows_and_table_carry_the_pipelined_figures(tmp_path, capsys):
             assert key in row, key
     assert any(r["prefetch_issued"] for r in rows if r["method"] == "ar_prefetch")
     assert not any(r["prefetch_issued"] for r in rows if r["method"] == "ar")
+
+
+def _timed(method: str, prompt: int, repeat: int, seconds: float, workload: str = "w") -> dict:
+    return {"method": method, "workload": workload, "prompt_index": prompt, "repeat": repeat,
+            "num_output_tokens": 10, "total_seconds": seconds, "output_throughput": 10 / seconds, "cycles": 10,
+            "config": {}}
+
+
+def test_paired_ratio_is_the_geometric_mean_of_run_ratios_with_a_bootstrap_interval():
+    """Runs pair by workload, prompt and repeat (not by position); a steady 2x is 2x with no spread;
+    a noisy one has an interval around its geometric mean, the same on every call (fixed seed)."""
+    from specfit.results import paired_ratio
+
+    base = [_timed("ar", p, r, 1.0 + 0.5 * p) for r in range(2) for p in range(3)]
+    twice = [_timed("fast", p, r, (1.0 + 0.5 * p) / 2) for r in range(2) for p in reversed(range(3))]
+    steady = paired_ratio(twice, base)
+    assert (steady.ratio, steady.low, steady.high, steady.pairs) == (pytest.approx(2.0), pytest.approx(2.0),
+                                                                     pytest.approx(2.0), 6)
+    ratios = [1.3, 0.8, 1.1, 1.2, 0.9, 1.0]
+    noisy = [_timed("n", p, r, b["total_seconds"] / ratios[3 * r + p]) for r in range(2) for p in range(3)
+             for b in base if (b["prompt_index"], b["repeat"]) == (p, r)]
+    got = paired_ratio(noisy, base)
+    assert got.ratio == pytest.approx(float(np.exp(np.log(ratios).mean())))
+    assert got.low < got.ratio < got.high and got.low >= min(ratios) and got.high <= max(ratios)
+    assert paired_ratio(noisy, base) == got
+    assert paired_ratio([], base) is None
+    other = [_timed("n", p, r, 1.0, workload="v") for r in range(2) for p in range(3)]  # no common workload
+    assert paired_ratio(other, base) is None
+
+
+def test_bench_prints_the_paired_ratio_per_workload_and_for_all_workloads(tmp_path, capsys):
+    main(["bench", "model=tiny", "methods=[ar,ar_prefetch]", "workloads=[inline,inline]", "prompt_ids=[5,17,99]",
+          "max_new_tokens=4", "repeats=2", "cache.copy=emulated", "cache.capacity=2", f"hydra.run.dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert out.count("paired [95% CI]") == 3 and "all workloads together" in out
+    summary = [json.loads(line) for line in (tmp_path / "summary.jsonl").read_text().splitlines()]
+    overall = [s for s in summary if s["workload"] == "all"]
+    assert [s["method"] for s in overall] == ["ar", "ar_prefetch"] and overall[1]["paired_runs"] == 4
+    assert overall[0]["speedup_paired"] == pytest.approx(1.0)
+    low, mid, high = (overall[1][k] for k in ("speedup_ci95_low", "speedup_paired", "speedup_ci95_high"))
+    assert low <= mid <= high

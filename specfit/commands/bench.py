@@ -5,7 +5,10 @@ workload. Engines are built once per (method, workload); prompts then run interl
 methods, ``repeats`` times, so drift of a shared machine spreads evenly over the methods. One JSON
 line per run goes to the results file as soon as the run completes (so an interrupted bench
 keeps every completed run, and ``resume=true`` skips them); the table reports means, with speedups
-against the baseline (autoregressive decoding) and against vanilla EAGLE-3 without a cache.
+against the baseline (autoregressive decoding) and against vanilla EAGLE-3 without a cache, and the
+paired speed-up over the baseline: the geometric mean of run-by-run ratios with a 95% bootstrap
+interval, which says whether the run resolved a difference on a noisy machine. With several
+workloads, a last table takes them all together.
 
 A method whose selector does not require a cost model runs without one (the base config selects
 ``cost_model=union`` for every method so that its keys can be overridden), so only the methods that
@@ -30,7 +33,7 @@ from specfit.errors import ConfigError
 from specfit.files import check_writable, read_jsonl, write_atomic
 from specfit.progress import progress
 from specfit.registry import get_plugins
-from specfit.results import append_jsonl, comparison_table, mean_stats, run_config, spec_bench_answers
+from specfit.results import append_jsonl, comparison_table, mean_stats, paired_fields, run_config, spec_bench_answers
 from specfit.workloads import describe
 
 
@@ -169,6 +172,7 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
     workloads = list(cfg.workloads) or [None]
     rows: list[dict[str, Any]] = []
     summaries: list[dict[str, Any]] = []
+    all_runs: dict[str, list[dict[str, Any]]] = {}  # every workload's runs per method, in the same order
     finished = 0  # runs of this job on disk (resumed ones included)
     try:
         for workload in workloads:
@@ -210,8 +214,11 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
                                 outputs.setdefault(i, {})[method] = row["output_ids"]
                             rows.append(row)
             identical = all(len({tuple(v) for v in o.values()}) == 1 for o in outputs.values())
-            summary = [{"method": m, **about, **mean_stats(s), "outputs_identical": identical}
-                       for m, s in per_method.items()]
+            base = cfg.baseline if cfg.baseline in per_method else next(iter(per_method))
+            summary = [{"method": m, **about, **mean_stats(s), **paired_fields(s, per_method[base]),
+                        "outputs_identical": identical} for m, s in per_method.items()]
+            for m, s in per_method.items():
+                all_runs.setdefault(m, []).extend(s)
             summaries += summary
             print(f"\nworkload {about['workload']} ({about['workload_split']}): {len(prompts)} prompts x "
                   f"{cfg.repeats} repeats, {cfg.max_new_tokens} new tokens, "
@@ -227,6 +234,13 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
         print(f"specfit: interrupted: {finished} completed runs are in {results}; resume with: "
               f"{resume_command(output_dir)}", file=sys.stderr, flush=True)
         raise
+    if len(workloads) > 1 and all_runs:
+        base = cfg.baseline if cfg.baseline in all_runs else next(iter(all_runs))
+        overall = [{"method": m, "workload": "all", **mean_stats(s), **paired_fields(s, all_runs[base])}
+                   for m, s in all_runs.items()]
+        summaries += overall
+        print(f"\nall workloads together ({', '.join(str(w) for w in workloads)}):")
+        print(comparison_table(overall, baseline=base))
     append_jsonl(output_dir / "summary.jsonl", summaries)
     if any(r.get("h2d_emulated") for r in summaries):
         print("H2D times are EMULATED (cache.copy=emulated): each copy is charged the reference link's time.")
