@@ -235,9 +235,10 @@ class OffloadRuntime:
             if rnd.ahead:  # the next round's copies, on the link while this round computes
                 self._issue(layer, rnd.ahead)
             uncomputed -= len(rnd.slots)
-            if listeners and uncomputed == 0:  # the last round: every copy of this layer is on the link
+            if listeners and uncomputed <= 0:  # the last round: every copy of this layer is on the link
                 for listener in listeners:
                     listener(layer, hidden)
+                listeners = ()
             stats.misses += len(rnd.loads)
             stats.hits += len(rnd.slots) - len(rnd.loads)
             self._wait_for(layer, rnd.slots)
