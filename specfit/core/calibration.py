@@ -76,11 +76,12 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
-def visible_copy_seconds(record: CycleRecord, overlap: bool) -> float:
-    """The copy seconds a cycle's time contains: its H2D seconds, or with ``overlap`` (copies
-    pipelined) the time compute blocked on them, where the record measured it."""
+def visible_copy_seconds(record: CycleRecord, overlap: bool = False) -> float:
+    """The copy seconds a cycle's time contains: its H2D seconds, or, when its copies were pipelined
+    (``overlap``, or the record says so), the time compute blocked on them, where it was measured."""
     stall = getattr(record, "h2d_stall_seconds", None)
-    return float(stall) if overlap and stall is not None else record.h2d_seconds
+    pipelined_copies = overlap or getattr(record, "copies_overlap", False)
+    return float(stall) if pipelined_copies and stall is not None else record.h2d_seconds
 
 
 def fit_constants(records: Sequence[CycleRecord], fallback_copy_seconds: float | None = None,

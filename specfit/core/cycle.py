@@ -17,6 +17,7 @@ import torch
 
 from specfit.core import guard
 from specfit.core.acceptance import Acceptance, walk
+from specfit.core.calibration import visible_copy_seconds
 from specfit.core.sampling import Sampler
 from specfit.core.stats import CycleRecord, prediction_overlap
 from specfit.core.tree import DraftTree, VerifyBlock, verify_block
@@ -34,6 +35,7 @@ class Verdict:
     union: list[int]  # experts per MoE layer in the pass
     h2d_seconds: float = 0.0
     h2d_stall_seconds: float = 0.0  # time the pass's compute blocked on copies (pipelined runtime)
+    copies_overlap: bool = False  # copies overlapped other work and the stall is what the pass waited
 
 
 @dataclass
@@ -213,6 +215,7 @@ class Cycle:
             verify_seconds=times.verify_seconds,
             h2d_seconds=verdict.h2d_seconds,
             h2d_stall_seconds=verdict.h2d_stall_seconds,
+            copies_overlap=verdict.copies_overlap,
             total_seconds=times.total_seconds,
             misses=verdict.misses,
             hits=verdict.hits,
@@ -223,7 +226,7 @@ class Cycle:
         if self.cost_model is not None and verifier.measured:  # learns from measured cycles only
             guard.call("cost_model", self.cost_model, "observe", record)
         if self.sink is not None and verifier.measured:  # a live sink learns a layer's compute time
-            self.sink.observe(record.verify_seconds, record.h2d_seconds, record.verified + 1)
+            self.sink.observe(record.verify_seconds, visible_copy_seconds(record), record.verified + 1)
         report_time(selector, record.levels > 0, record.committed, record.total_seconds)
         if self.observers:
             trace = CycleTrace(tree, block, verifier.argmax(), verdict.routing, path, acc.bonus, level_seconds, record)

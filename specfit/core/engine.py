@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from specfit.core import guard
+from specfit.core.calibration import pipelined
 from specfit.core.copy_engines import CopyEngine, LinkSettings, make_copy_engine
 from specfit.core.cycle import Cycle, CycleObserver, CycleTimes, Verdict, check_parts, target_prob
 from specfit.core.expert_store import HostExpertStore
@@ -122,6 +123,7 @@ class Engine:
             check_parts({"prefetch": prefetcher})
             self.prefetch_sink = LiveSink(prefetcher, self.runtime, cost_model)
             self.prefetch_sink.call("bind", self.target, self.prefetch_sink)
+        self.copies_overlap = pipelined(self)  # cycles' times then hold the stall, not the issued copies
         self.sampling = sampling or SamplingParams()
         self.max_new_tokens = max_new_tokens
         # prompt + output never exceed this (None: the model states no limit)
@@ -279,7 +281,7 @@ class LiveVerifier:
         self._result = result = self.target.verify(block)
         during = self.runtime.stats.since(before)
         return Verdict(result.routing, during.misses, during.hits, [int(u) for u in during.union_sum],
-                       during.h2d_seconds, during.h2d_stall_seconds)
+                       during.h2d_seconds, during.h2d_stall_seconds, self.engine.copies_overlap)
 
     def token_after(self, block: VerifyBlock, pos: int, sampler: Sampler) -> int:
         return sampler.token(self._result.logits[pos], sampler.position + block.depths[pos])

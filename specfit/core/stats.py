@@ -49,6 +49,9 @@ class CycleRecord:
     # predicted vs routed experts of the verified tokens: (correct, predicted, routed), if predicted
     prediction: tuple[int, int, int] | None = None
     h2d_stall_seconds: float = 0.0  # time the verification pass blocked on copies (calibration's overlap)
+    # the copies overlapped other work (prefetch on a link whose waits the host measures): the pass's
+    # time holds h2d_stall_seconds of copying, not h2d_seconds (see specfit.core.calibration)
+    copies_overlap: bool = False
 
 
 @dataclass

@@ -197,7 +197,7 @@ def test_a_prefetch_arrives_and_is_used_by_the_next_pass():
     assert runtime.arriving()[0, absent] == pytest.approx([0.0, 0.0])
 
 
-def test_layer_listeners_see_each_moe_layer_before_its_routing():
+def test_layer_listeners_see_each_moe_layer_once_per_pass():
     clock = FakeClock()
     engine = build(clock)
     seen: list[tuple[int, tuple[int, ...]]] = []
@@ -224,9 +224,21 @@ def recorded_routing(engine: Engine, prompt: list[int], n: int) -> list[np.ndarr
     return passes
 
 
+def computing(engine: Engine, clock: FakeClock, seconds: float) -> None:
+    """Make each round of expert compute take ``seconds`` on the fake clock."""
+    run = engine.runtime.compute.run
+
+    def timed_run(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        clock.advance(seconds)
+        run(*args, **kwargs)
+
+    engine.runtime.compute.run = timed_run
+
+
 def test_overlap_with_compute_is_measured_not_assumed():
-    """A listener 'computes' 5 ms per layer and prefetches exactly the next layer's experts (known from
-    a first run): their copies run during that compute, so the stall drops; the output does not."""
+    """Each layer 'computes' 5 ms; a listener (called once the layer's own copies are issued, before it
+    computes) prefetches exactly the next layer's experts (known from a first run): their copies run
+    during that compute, so the stall drops; the output does not."""
     clock = FakeClock()
     reference = build(clock, capacity=8)
     routing = recorded_routing(reference, PROMPT, 3)
@@ -234,24 +246,24 @@ def test_overlap_with_compute_is_measured_not_assumed():
 
     clock = FakeClock()
     baseline = build(clock, capacity=8)
-    baseline.runtime.add_layer_listener(lambda layer, hidden: clock.advance(5 * MS))
+    computing(baseline, clock, 5 * MS)
     base = baseline.generate(PROMPT, max_new_tokens=3)
 
     clock = FakeClock()
     engine = build(clock, capacity=8)
+    computing(engine, clock, 5 * MS)
     runtime = engine.runtime
 
-    def compute_and_prefetch(layer: int, hidden: torch.Tensor) -> None:
-        """Compute for 5 ms; meanwhile prefetch the next layer's experts (the next pass's first layer
-        after the last): transfers of at most 2.5 ms, one per 5 ms, so none waits behind another."""
-        clock.advance(5 * MS)
+    def prefetch_next(layer: int, hidden: torch.Tensor) -> None:
+        """The next layer's experts (the next pass's first layer after the last): transfers of at most
+        2.5 ms, one per 5 ms of compute, so none waits behind another."""
         this_pass = runtime.stats.passes - 1
         if layer + 1 < runtime.spec.num_layers:
             runtime.prefetch(layer + 1, np.unique(routing[this_pass][:, layer + 1]).tolist())
         elif this_pass + 1 < len(routing):
             runtime.prefetch(0, np.unique(routing[this_pass + 1][:, 0]).tolist())
 
-    runtime.add_layer_listener(compute_and_prefetch)
+    runtime.add_layer_listener(prefetch_next)
     out = engine.generate(PROMPT, max_new_tokens=3)
     assert out.token_ids == base.token_ids == ref_stats.token_ids
     stats = out.stats  # decode passes only

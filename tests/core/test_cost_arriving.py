@@ -177,6 +177,42 @@ def test_calibration_fits_the_overlap_it_observes() -> None:
     assert fit_constants(sync).c_miss - C.c_hit == pytest.approx(4e-3, rel=1e-6)
 
 
+def test_records_say_their_copies_overlapped_and_the_online_refit_and_sink_read_the_stall() -> None:
+    """A cycle of a pipelined engine (prefetch over the emulated link) is marked copies_overlap, so the
+    online refit fits the visible stall as the calibration does, and the live sink's per-layer compute
+    subtracts the stall, not the link time the prefetches issued; other engines' cycles are not."""
+    from conftest import tiny_model
+
+    from specfit import Engine
+    from specfit.core.calibration import fit_constants, visible_copy_seconds
+    from specfit.plugins.caches.lru import LRUCache
+    from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher
+    from specfit.plugins.selectors.none import NoDraftSelector
+
+    records = cycles(0.25, np.random.default_rng(3))
+    for r in records:
+        r.copies_overlap = True
+    assert fit_constants(records).c_miss - fit_constants(records).c_hit == pytest.approx(1e-3, rel=1e-6)
+    assert visible_copy_seconds(records[0]) == records[0].h2d_stall_seconds < records[0].h2d_seconds
+
+    def engine(copy: str, prefetch: bool) -> Engine:
+        return Engine(tiny_model(), cache=LRUCache(capacity=3), selector=NoDraftSelector(), copy=copy, device="cpu",
+                      prefetcher=LookaheadPrefetcher() if prefetch else None)
+
+    pipelined = engine("emulated", True)
+    out = pipelined.generate([5, 17, 99, 3], max_new_tokens=6)
+    assert out.cycles and all(c.copies_overlap for c in out.cycles)
+    stalls = sum(c.h2d_stall_seconds for c in out.cycles)
+    issued = sum(c.h2d_seconds for c in out.cycles)
+    assert stalls < issued  # the prefetches' link time is not what the passes waited
+    sink, seen = pipelined.prefetch_sink, []
+    sink.observe = lambda verify, copies, tokens: seen.append(copies)  # noqa: ARG005
+    out = pipelined.generate([5, 17, 99, 3], max_new_tokens=6)
+    assert seen == pytest.approx([c.h2d_stall_seconds for c in out.cycles])
+    for copy, prefetch in (("emulated", False), ("torch", True)):
+        assert not any(c.copies_overlap for c in engine(copy, prefetch).generate([5, 17, 99, 3], max_new_tokens=4).cycles)
+
+
 def test_a_pipelined_calibration_reports_its_overlap_and_names_the_prefetcher() -> None:
     """Lookahead prefetch over the emulated link: calibration fits the stall (pipelined), reports the
     hidden share of the link time, and stores under a fingerprint naming the prefetcher; without a

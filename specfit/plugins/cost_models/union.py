@@ -147,7 +147,8 @@ class UnionCostModel(CostModelBase):
         nothing about copies; refitting those from it would make copies look free and the
         selector's trees swing. So compute constants are refitted only when the window varies in
         both tree size and experts used, the copy cost only after enough misses, and drafting
-        costs are kept from the calibration.
+        costs are kept from the calibration. A cycle whose copies overlapped other work (prefetch,
+        ``record.copies_overlap``) is fitted by the stall it measured, as the calibration does.
         """
         if not self.online:
             return
