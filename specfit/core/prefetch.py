@@ -259,9 +259,11 @@ class ModelledSink(PrefetchSink):
                 self.note(f"cache '{guard.plugin_name(self.cache)}' cannot prefetch (no admit_prefetch)")
                 self._cannot = True
             return 0
-        in_flight = frozenset(int(e) for e in row[row >= 0] if self._arrive[layer, e] > self._now)
-        admission = guard.call("cache", self.cache, "admit_prefetch", layer, candidates, in_flight)
-        loads = check_prefetch_admission(self.cache, row, layer, candidates, in_flight, admission)
+        # as the live runtime: in flight, or asked for and already in a slot (evicting it defeats the prefetch)
+        protected = frozenset(int(e) for e in row[row >= 0] if self._arrive[layer, e] > self._now).union(
+            e for e in experts if e in held)
+        admission = guard.call("cache", self.cache, "admit_prefetch", layer, candidates, protected)
+        loads = check_prefetch_admission(self.cache, row, layer, candidates, protected, admission)
         for expert, slot in loads:
             old = int(row[slot])
             if old >= 0 and self._pending.pop((layer, old), None) is not None:

@@ -360,6 +360,32 @@ def test_modelled_link_is_fifo_and_charges_the_wait_of_a_layer():
     assert stall == pytest.approx(wait0 + wait1) and sink.used == 3
 
 
+def test_draft_prefetch_names_the_useful_resident_experts_so_no_copy_evicts_them():
+    """after_level asks for the copies and then for the resident experts the pass is likely to use:
+    the sink issues only the copies, and the cache may not evict the others for them (live and
+    modelled alike: an LRU's oldest slot may hold one)."""
+    resident = np.zeros((3, 8), dtype=bool)
+    resident[:, 2] = True  # likely used (0.9): not copied, but named
+    resident[:, 5] = True  # resident and unused: fair game
+    pf = DraftPrefetcher(min_benefit=0.05)
+    pf.bind(None, FakeSink(expert_s=0.0, layer_s=2.0, slots=4))
+    pf.after_level(two_level_tree(), [0], resident)
+    assert pf.sink.requests == [(layer, [0, 1, 3, 2]) for layer in range(3)]  # 3 slots free of likely experts
+    assert pf.plan(two_level_tree(), [0], resident) == [(layer, [0, 1, 3]) for layer in range(3)]  # copies only
+
+    spec = tiny_model_spec()
+    cache = LRUCache(capacity=3)
+    slots = cache.bind(spec)
+    slot_expert = np.full((spec.num_layers, slots), -1, dtype=np.int64)
+    for slot, expert in enumerate([4, 5, 6]):  # 4 is the least recently used
+        assert cache.admit(0, [expert]).loads == [(expert, slot)]
+        slot_expert[0, slot] = expert
+    sink = ModelledSink(DraftPrefetcher(), spec, cache, slot_expert, CONSTANTS)
+    sink.begin_cycle()
+    assert sink.prefetch(0, [7, 4]) == 1  # 7 is copied, and not over 4: asked for, so kept
+    assert sorted(slot_expert[0].tolist()) == [4, 6, 7]
+
+
 def test_modelled_link_says_once_that_cache_none_cannot_prefetch():
     """Replay decides as the live runtime does: a cache without its own admit_prefetch (none, whose
     base hook admits nothing) copies nothing ahead, and the run's notes say so once."""

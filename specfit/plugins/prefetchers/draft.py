@@ -13,8 +13,10 @@ the pass's compute up to the layer, minus what the link has queued) and no more 
 slots not holding an expert the pass is likely to use (a copy evicts one); none at all for a layer
 whose expected union exceeds its slots (the pass streams it in rounds and would evict them first:
 measured on the demo pair with EAGLE-3's trees and 8 slots, 658 prefetches, 547 of them used,
-left the misses unchanged, 1432 against 1433, and only added link time). The cache policy has the last word
-(``admit_prefetch``): it never evicts an expert in flight or in use.
+left the misses unchanged, 1432 against 1433, and only added link time). The request also names
+the resident experts the pass is likely to use, after the copies: they are not copied, and the
+cache may not evict them for the copies (an LRU's oldest slot may hold one). The cache policy has
+the last word (``admit_prefetch``): it never evicts an expert in flight or in use.
 """
 
 from __future__ import annotations
@@ -60,12 +62,19 @@ class DraftPrefetcher(PrefetcherBase):
         self._level_seconds = 0.0  # drafting time of one level (the last one measured)
 
     def after_level(self, tree: DraftTree, predicted: Sequence[int], resident: np.ndarray) -> None:
-        plan = self.plan(tree, predicted, resident)
+        plan, useful = self._plan(tree, predicted, resident)
         for layer, experts in plan:
-            self.sink.prefetch(layer, experts)
+            # the resident experts the pass is likely to use are named too: the sink skips them, and
+            # the cache may not evict them for these copies (its least recent slot may hold one)
+            self.sink.prefetch(layer, experts + useful[layer])
 
     def plan(self, tree: DraftTree, predicted: Sequence[int], resident: np.ndarray) -> list[tuple[int, list[int]]]:
         """[(layer, experts most beneficial first)], layers ascending, within the link's budget."""
+        return self._plan(tree, predicted, resident)[0]
+
+    def _plan(self, tree: DraftTree, predicted: Sequence[int],
+              resident: np.ndarray) -> tuple[list[tuple[int, list[int]]], list[list[int]]]:
+        """:meth:`plan`, and per layer the experts already present that the pass is likely to use."""
         sink = self.sink
         now = sink.now()
         if id(tree) != self._tree_id or tree.depth <= 1:  # a new cycle: the level's time from the last one
@@ -75,14 +84,16 @@ class DraftPrefetcher(PrefetcherBase):
         self._last_level_at = now
         expected = expected_use(tree, predicted, self.fallback_nodes, *resident.shape)
         if expected is None:
-            return []  # no predictor: nothing is known of the experts
+            return [], []  # no predictor: nothing is known of the experts
         benefit, weight = expected
         arriving = sink.arriving()
         present = resident if arriving is None else np.isfinite(arriving)
         # a copy evicts some resident expert: only as many as the layer has slots not holding an
         # expert the pass is likely to use
         slots = sink.capacity()
-        room_in_cache = slots - (present & (benefit >= self.min_benefit)).sum(axis=1)
+        useful_present = present & (benefit >= self.min_benefit)
+        useful = [np.flatnonzero(row).tolist() for row in useful_present]
+        room_in_cache = slots - useful_present.sum(axis=1)
         # a layer whose pass is expected to use more experts than it has slots streams them through
         # in rounds: what a prefetch copies is evicted again before it is used, so leave it alone
         room_in_cache[benefit.sum(axis=1) > slots] = 0
@@ -105,7 +116,7 @@ class DraftPrefetcher(PrefetcherBase):
             if take:
                 plan.append((layer, take))
                 issued += len(take)
-        return plan
+        return plan, useful
 
 
 def expected_use(tree: DraftTree, nodes: Sequence[int], fallback: int, layers: int,
