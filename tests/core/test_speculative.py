@@ -294,6 +294,34 @@ def test_committing_several_tokens_equals_starting_over():
     assert continued.path_log_probs == pytest.approx(restarted.path_log_probs, abs=1e-4)
 
 
+def test_cycles_that_skip_drafting_leave_the_head_what_starting_over_would():
+    """Plain cycles (the gate skipped drafting) only queue their features; the next draft catches
+    up on all of them at once and drafts what a fresh start on the longer sequence drafts."""
+    from specfit.core.tree import DraftTree, VerifyBlock
+
+    ref = reference("tiny-qwen3-moe")
+    n = len(PROMPT)
+    engine = Engine(tiny_model(), drafter=Eagle3Drafter(top_k=3, depth=3, total_tokens=10), device="cpu")
+    drafter = engine.drafter
+    with torch.inference_mode():
+        drafter.start(PROMPT, engine.target.prefill(PROMPT).features, ref[n])
+        for i in range(4):  # four autoregressive steps, no drafting
+            result = engine.target.verify(VerifyBlock(tokens=[ref[n + i]], parents=[-1], depths=[0], nodes=[]))
+            drafter.commit([ref[n + i]], result.features, ref[n + i + 1])
+        assert len(drafter.pending_features) == 5  # queued as chunks, not joined every cycle
+        continued = DraftTree(root_token=ref[n + 4])
+        for _ in drafter.draft(continued):
+            pass
+        fresh_engine = Engine(tiny_model(), drafter=Eagle3Drafter(top_k=3, depth=3, total_tokens=10), device="cpu")
+        longer = ref[: n + 4]
+        fresh_engine.drafter.start(longer, fresh_engine.target.prefill(longer).features, ref[n + 4])
+        restarted = DraftTree(root_token=ref[n + 4])
+        for _ in fresh_engine.drafter.draft(restarted):
+            pass
+    assert continued.tokens == restarted.tokens
+    assert continued.path_log_probs == pytest.approx(restarted.path_log_probs, abs=1e-4)
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_eager_attention_tree_verification_matches_hf_generate(arch):
     ref = reference(arch)

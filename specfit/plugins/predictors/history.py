@@ -40,6 +40,7 @@ class _Counts:
     def __init__(self, layers: int, experts: int, max_keys: int) -> None:
         self.shape, self.max_keys = (layers, experts), max_keys
         self.table: OrderedDict[Any, np.ndarray] = OrderedDict()
+        self.rows = np.arange(layers)[:, None]  # indexes a [layers, k] routing into [layers, experts]
 
     def get(self, key: Any) -> np.ndarray | None:
         return self.table.get(key)
@@ -52,7 +53,7 @@ class _Counts:
                 self.table.popitem(last=False)
         else:
             self.table.move_to_end(key)
-        counts[np.arange(self.shape[0])[:, None], routing] += 1.0
+        counts[self.rows, routing] += 1.0
 
 
 class HistoryPredictor(ExpertPredictorBase):
@@ -112,6 +113,6 @@ class HistoryPredictor(ExpertPredictorBase):
             self.single.add(token, routed)
             if previous is not None:
                 self.pairs.add((previous, token), routed)
-            self.overall[np.arange(self.layers)[:, None], routed] += 1.0
+            self.overall[self.single.rows, routed] += 1.0
             previous = token
         self._last_token = previous

@@ -142,7 +142,8 @@ class Eagle3Drafter(DrafterBase):
 
     def start(self, prompt_ids: Sequence[int], features: torch.Tensor | None, next_token: int) -> None:
         self.kv = self.head.new_cache(self.dtype, self.device)
-        self.pending_features, self.pending_tokens = None, []
+        self.pending_features: list[torch.Tensor] = []  # one chunk per commit, joined when drafting starts
+        self.pending_tokens: list[int] = []
         self._pending(prompt_ids, features, next_token)
 
     def commit(self, tokens: Sequence[int], features: torch.Tensor | None, next_token: int) -> None:
@@ -152,14 +153,13 @@ class Eagle3Drafter(DrafterBase):
         """Pairs (features at t, token t+1) the head has not seen yet; processed when drafting starts.
 
         Appended, not replaced: a cycle that did not draft (the selector skipped speculation) leaves
-        its pairs for the next one."""
+        its pairs for the next one. Kept as chunks, joined once when drafting starts: a gate that
+        skips drafting for hundreds of cycles must not copy the growing backlog every cycle."""
         if features is None or features.shape[0] != len(tokens):
             raise RuntimeError("EAGLE-3 needs the target's features for every kept position")
-        if self.pending_features is not None and len(self.pending_tokens):
-            self.pending_features = torch.cat([self.pending_features, features])
-        else:
-            self.pending_features = features
-        self.pending_tokens = list(self.pending_tokens) + list(tokens[1:]) + [next_token]
+        self.pending_features.append(features)
+        self.pending_tokens.extend(tokens[1:])
+        self.pending_tokens.append(next_token)
 
     # ------------------------------------------------------------------ drafting
 
@@ -170,9 +170,11 @@ class Eagle3Drafter(DrafterBase):
         try:
             tokens = torch.tensor(self.pending_tokens, device=self.device)
             positions = torch.arange(committed, committed + len(tokens), device=self.device)
-            hidden = head(head.project(self.pending_features.to(self.dtype)), tokens, positions, kv)
+            chunks = self.pending_features
+            features = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+            hidden = head(head.project(features.to(self.dtype)), tokens, positions, kv)
             committed = kv.length
-            self.pending_tokens, self.pending_features = [], None
+            self.pending_tokens, self.pending_features = [], []
             root_hidden = hidden[-1]
 
             logp = F.log_softmax(head.logits(root_hidden[None]).float(), dim=-1)[0]
