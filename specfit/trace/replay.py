@@ -8,7 +8,8 @@ the predictor and the selector after each, with the simulated cache's residency 
 or modelled draft time), reads the target's tokens off the recorded argmaxes, counts the cache
 hits and misses that the real cache policy (driven through
 :func:`specfit.core.offload.admission_rounds`) has on the recorded routing, and charges the cost
-model's time for them; the cycle feeds the selector and predictor what the engine would, and the
+model's time for them, less the copy time a layer's pipelined rounds hide behind its compute
+(:func:`hidden_copy_seconds`, the live runtime's schedule); the cycle feeds the selector and predictor what the engine would, and the
 replay moves on by the tokens committed.
 
 The replayed tree is the drafted tree, node for node, so selectors and predictors see what they
@@ -23,14 +24,14 @@ import math
 import time
 from dataclasses import dataclass, field
 from numbers import Real
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from specfit.core import guard
 from specfit.core.calibration import CostConstants, load_constants
 from specfit.core.cycle import Cycle, CycleTimes, Verdict, check_parts
-from specfit.core.offload import admission_rounds, bind_cache, cache_preload, cache_resident
+from specfit.core.offload import Round, admission_rounds, bind_cache, cache_preload, cache_resident
 from specfit.core.prefetch import ModelledSink
 from specfit.core.sampling import Sampler, SamplingParams
 from specfit.core.stats import CycleRecord, cycle_summary
@@ -266,6 +267,7 @@ class TraceVerifier:
         self.diverged = False
         self.sink: ModelledSink | None = None  # the modelled link of a prefetcher, if any
         self._stall = 0.0  # the last pass's modelled wait for prefetches in flight
+        self._hidden = 0.0  # the last pass's copy time its pipelined rounds hid behind compute
 
     def bind_cache(self) -> None:
         """Bind the cache policy and apply its preload, checked as the offload runtime checks it."""
@@ -379,21 +381,47 @@ class TraceVerifier:
         """The cost model's charge: D (recorded or modelled) plus the pass's time for its hits and misses."""
         draft = self.draft_seconds(levels, 0.0, overhead)
         stall, self._stall = self._stall, 0.0  # a modelled prefetch's wait (0.0 without one)
-        return CycleTimes(draft, 0.0, 0.0,
-                          self.constants.cycle_seconds(verified, verdict.misses, verdict.hits, draft) + stall)
+        charged = self.constants.cycle_seconds(verified, verdict.misses, verdict.hits, draft) - self._hidden
+        return CycleTimes(draft, 0.0, 0.0, charged + stall)
 
     def _pass(self, routing: np.ndarray) -> tuple[int, int, list[int]]:
-        """One target pass through the cache policy: (misses, hits, experts per layer)."""
+        """One target pass through the cache policy: (misses, hits, experts per layer). Sets the
+        copy time its layers' pipelined rounds hide (:func:`hidden_copy_seconds`)."""
         guard.call("cache", self.cache, "begin_pass")
         misses = hits = 0
         union: list[int] = []
+        self._hidden = 0.0
+        c = self.constants
         for layer in range(self.spec.num_layers):
             needed = np.unique(routing[:, layer, :]).tolist()  # ascending, as the runtime asks
             union.append(len(needed))
-            for admission in admission_rounds(self.cache, self.slot_expert, layer, needed):
+            rounds = list(admission_rounds(self.cache, self.slot_expert, layer, needed))
+            for admission in rounds:
                 misses += len(admission.loads)
                 hits += len(admission.slots) - len(admission.loads)
+            if len(rounds) > 1:
+                self._hidden += hidden_copy_seconds(rounds, max(c.c_miss - c.c_hit, 0.0), c.c_hit)
         return misses, hits, union
+
+
+def hidden_copy_seconds(rounds: Sequence[Round], copy_s: float, compute_s: float) -> float:
+    """The copy time a layer's rounds hide behind compute, against the cost model's linear charge
+    (``copy_s`` per copy plus ``compute_s`` per expert, one after the other).
+
+    The schedule is the live runtime's (:meth:`specfit.core.offload.OffloadRuntime.run_layer`) on
+    one FIFO link: a round issues its own held-back copies (``fresh``) and then the next round's
+    (``ahead``), waits until the copies into its slots have landed, and computes ``compute_s`` per
+    expert; a copy starts when the link is free and not before it is issued."""
+    now = link = 0.0
+    lands: dict[int, float] = {}  # slot -> when its copy lands
+    for rnd in rounds:
+        for _, slot in (*rnd.fresh, *rnd.ahead):
+            link = max(link, now) + copy_s
+            lands[slot] = link
+        now = max([now, *(lands.pop(slot) for slot in rnd.slots.values() if slot in lands)])
+        now += compute_s * len(rnd.slots)
+    linear = copy_s * sum(len(rnd.loads) for rnd in rounds) + compute_s * sum(len(rnd.slots) for rnd in rounds)
+    return max(linear - now, 0.0)
 
 
 def _prefetch_summary(prefetcher: Any, sink: ModelledSink | None) -> dict[str, Any]:
