@@ -71,7 +71,7 @@ def replay_config(trace: Trace, cfg: DictConfig, name: str, model: Any, draft_ti
     (compiling the search, loading caches) are not charged as selection time."""
     plugins = get_plugins()
 
-    def parts() -> dict[str, Any]:
+    def parts(note: bool = True) -> dict[str, Any]:
         made = {kind: plugins[kind].create(cfg[kind]) if cfg.get(kind) is not None else None
                 for kind in ("selector", "cache", "cost_model", "predictor")}
         # prefetch: draft-time prefetches on the replay's modelled link (the oracle replays without)
@@ -85,13 +85,13 @@ def replay_config(trace: Trace, cfg: DictConfig, name: str, model: Any, draft_ti
 
             made["selector"] = NoDraftSelector()
         if not oracle:  # the oracle knows the outcomes: no estimator, and no note that it uses none
-            attach_acceptance(made["selector"], cfg.get("acceptance"))
+            attach_acceptance(made["selector"], cfg.get("acceptance"), note)
         if cfg.replay.get("cost_profile") is not None and made["cost_model"] is not None:  # charged and planned with
             made["cost_model"].set_constants(cost_profile(cfg.replay.cost_profile).constants)
         return made
 
     if warmup > 0:
-        replay(trace, **parts(), draft_time=draft_time, model=model, max_cycles=warmup)
+        replay(trace, **parts(note=False), draft_time=draft_time, model=model, max_cycles=warmup)  # noted once, below
     return replay(trace, **parts(), draft_time=draft_time, model=model, method=name)
 
 

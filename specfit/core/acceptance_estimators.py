@@ -185,16 +185,19 @@ def estimator_named(name: str, key: str = "acceptance") -> Any:
         raise ConfigError(f"{key}={name!r}: {exc}") from None
 
 
-def attach_acceptance(selector: Any, node: Any) -> None:
+def attach_acceptance(selector: Any, node: Any, note: bool = True) -> None:
     """Give ``selector`` the estimator the config's ``acceptance`` group names (``node``: that
     group's config, or None to keep the selector's own). Selectors that use no acceptance
-    estimates (no ``set_acceptance``: eagle3, chain, none, oracle) ignore the group.
+    estimates (no ``set_acceptance``: eagle3, chain, none, oracle) ignore the group, and say so
+    on stderr unless ``note`` is False (a second build of the same config, e.g. a replay's warmup).
 
     ``selector.acceptance=NAME`` is the earlier spelling of ``acceptance=NAME`` and still works;
     given both, they must agree."""
     if node is None:
         return
     if getattr(selector, "set_acceptance", None) is None:  # say so: a state_file given here is not read either
+        if not note:
+            return
         name = node.get("name") if hasattr(node, "get") else None
         print(f"specfit: note: acceptance={name} is not used by selector={guard.plugin_name(selector)} "
               "(only the cost-aware selectors, such as specfit, use acceptance estimates)", file=sys.stderr)

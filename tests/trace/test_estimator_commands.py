@@ -75,3 +75,14 @@ def test_fit_acceptance_needs_a_trace(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["fit-acceptance", f"out_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"])
     assert info.value.code == 2 and "trace.path" in capsys.readouterr().err
+
+
+def test_replay_notes_once_that_eagle3_uses_no_acceptance_estimates(trace_dir, tmp_path, capsys):
+    """The note is said once per method (not again for the warmup's throwaway plugins), and not for
+    the oracle row the replay adds (it knows the outcomes)."""
+    main(["replay", f"trace.path={trace_dir}", "selector=eagle3", "acceptance=learned", "replay.warmup=2",
+          "cache.capacity=4", "cost_model.c0=0.002", "cost_model.c_tok=0.0001", "cost_model.c_miss=0.0004",
+          "cost_model.c_hit=0.00002", f"hydra.run.dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert err.count("note: acceptance=learned is not used by") == 1 and "selector=eagle3" in err
+    assert {r["method"] for r in rows_of(tmp_path / "results.jsonl")} == {"eagle3", "oracle"}
