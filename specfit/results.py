@@ -132,8 +132,8 @@ class PairedRatio:
 def paired_ratio(runs: Sequence[dict[str, Any]], base_runs: Sequence[dict[str, Any]],
                  resamples: int = 2000, seed: int = 0) -> PairedRatio | None:
     """:class:`PairedRatio` of ``runs`` over ``base_runs``: paired by workload, prompt and repeat
-    where the rows say them (results files), else in order (a bench's runs of one job); None
-    without a usable pair. On a shared machine the same method's speed moves by 10% or more from
+    where the rows say them (results files), else in order when both have as many runs (a bench's
+    runs of one job); None without a usable pair. On a shared machine the same method's speed moves by 10% or more from
     one prompt to the next, and a ratio of totals hides how much of a difference that noise could
     make; the interval says whether a run resolved it (fixed seed: reproducible)."""
     logs = [math.log(_speed(r) / _speed(b)) for r, b in _pairs(runs, base_runs) if _speed(r) > 0 and _speed(b) > 0]
@@ -163,7 +163,7 @@ def _pairs(runs: Sequence[dict[str, Any]], base_runs: Sequence[dict[str, Any]]) 
     if all(k in r for r in (*runs, *base_runs) for k in _PAIR_KEYS[1:]):
         base = {tuple(b.get(k) for k in _PAIR_KEYS): b for b in base_runs}
         return [(r, base[key]) for r in runs if (key := tuple(r.get(k) for k in _PAIR_KEYS)) in base]
-    return list(zip(runs, base_runs))
+    return list(zip(runs, base_runs)) if len(runs) == len(base_runs) else []  # else the order pairs nothing
 
 
 def _speed(run: dict[str, Any]) -> float:

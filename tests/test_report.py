@@ -141,6 +141,8 @@ def test_paired_ratio_is_the_geometric_mean_of_run_ratios_with_a_bootstrap_inter
     assert paired_ratio([], base) is None
     other = [_timed("n", p, r, 1.0, workload="v") for r in range(2) for p in range(3)]  # no common workload
     assert paired_ratio(other, base) is None
+    unkeyed = [{k: v for k, v in r.items() if k != "prompt_index"} for r in twice]  # paired in order, if at all
+    assert paired_ratio(unkeyed[:3], unkeyed[:3]).pairs == 3 and paired_ratio(unkeyed[:3], unkeyed) is None
 
 
 def test_bench_prints_the_paired_ratio_per_workload_and_for_all_workloads(tmp_path, capsys):
