@@ -160,10 +160,23 @@ _PAIR_KEYS = ("workload", "prompt_index", "repeat")
 
 
 def _pairs(runs: Sequence[dict[str, Any]], base_runs: Sequence[dict[str, Any]]) -> list[tuple[dict, dict]]:
+    """A key seen again (a report over several bench jobs) pairs its n-th run with the baseline's
+    n-th, in file order, so each job's runs pair with that job's, not all with the last job's."""
     if all(k in r for r in (*runs, *base_runs) for k in _PAIR_KEYS[1:]):
-        base = {tuple(b.get(k) for k in _PAIR_KEYS): b for b in base_runs}
-        return [(r, base[key]) for r in runs if (key := tuple(r.get(k) for k in _PAIR_KEYS)) in base]
+        base = dict(_keyed(base_runs))
+        return [(r, base[key]) for key, r in _keyed(runs) if key in base]
     return list(zip(runs, base_runs)) if len(runs) == len(base_runs) else []  # else the order pairs nothing
+
+
+def _keyed(runs: Sequence[dict[str, Any]]) -> list[tuple[tuple, dict[str, Any]]]:
+    """(workload, prompt, repeat, occurrence of that triple so far) per run."""
+    seen: dict[tuple, int] = {}
+    out = []
+    for r in runs:
+        key = tuple(r.get(k) for k in _PAIR_KEYS)
+        seen[key] = seen.get(key, -1) + 1
+        out.append(((*key, seen[key]), r))
+    return out
 
 
 def _speed(run: dict[str, Any]) -> float:

@@ -141,6 +141,10 @@ def test_paired_ratio_is_the_geometric_mean_of_run_ratios_with_a_bootstrap_inter
     assert paired_ratio([], base) is None
     other = [_timed("n", p, r, 1.0, workload="v") for r in range(2) for p in range(3)]  # no common workload
     assert paired_ratio(other, base) is None
+    # two jobs of the same prompts and repeats (a report over both): each pairs within its own job
+    slow_job = [dict(r, total_seconds=3 * r["total_seconds"]) for r in base]
+    both = paired_ratio([*twice, *[dict(r, total_seconds=3 * r["total_seconds"]) for r in twice]], [*base, *slow_job])
+    assert (both.ratio, both.low, both.high, both.pairs) == (pytest.approx(2.0), pytest.approx(2.0), pytest.approx(2.0), 12)
     unkeyed = [{k: v for k, v in r.items() if k != "prompt_index"} for r in twice]  # paired in order, if at all
     assert paired_ratio(unkeyed[:3], unkeyed[:3]).pairs == 3 and paired_ratio(unkeyed[:3], unkeyed) is None
 
