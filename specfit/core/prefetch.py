@@ -3,7 +3,8 @@
 A prefetcher (:class:`specfit.interfaces.Prefetcher`) never touches the runtime: it calls
 ``sink.prefetch(layer, experts)``. The sink checks the request (a layer or expert id out of range,
 or a value that is not an int, is one PluginError naming the prefetcher and the hook it ran in),
-drops experts already resident or in flight, and forwards the rest:
+copies no expert already resident or in flight (those asked for are protected instead: the
+cache may not evict them for this request's copies), and forwards the rest:
 
 - :class:`LiveSink` to :meth:`specfit.core.offload.OffloadRuntime.prefetch` (the cache policy
   admits through ``admit_prefetch``; the runtime checks the admission and never evicts a
