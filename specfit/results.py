@@ -133,9 +133,10 @@ def paired_ratio(runs: Sequence[dict[str, Any]], base_runs: Sequence[dict[str, A
                  resamples: int = 2000, seed: int = 0) -> PairedRatio | None:
     """:class:`PairedRatio` of ``runs`` over ``base_runs``: paired by workload, prompt and repeat
     where the rows say them (results files), else in order when both have as many runs (a bench's
-    runs of one job); None without a usable pair. On a shared machine the same method's speed moves by 10% or more from
-    one prompt to the next, and a ratio of totals hides how much of a difference that noise could
-    make; the interval says whether a run resolved it (fixed seed: reproducible)."""
+    runs of one job); None without a usable pair. On a shared machine the same method's speed
+    moves by 10% or more from one prompt to the next, and a ratio of totals hides how much of a
+    difference that noise could make; the interval says whether a run resolved it (fixed seed:
+    reproducible)."""
     logs = [math.log(_speed(r) / _speed(b)) for r, b in _pairs(runs, base_runs) if _speed(r) > 0 and _speed(b) > 0]
     if not logs:
         return None
