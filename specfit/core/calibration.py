@@ -13,7 +13,10 @@ Under prefetch (issue 14) copies overlap drafting and compute, so the H2D second
 are not what it waited. There the fit uses the overlap it observes: the seconds compute actually
 blocked on copies (``h2d_stall_seconds``) take the place of the H2D seconds, so c_copy becomes an
 effective miss cost, the visible stall per miss, and the compute fit is not charged for hidden
-transfers. Without prefetch the fit is as before.
+transfers. Without prefetch c_copy stays the copies' own time, but where the host measures the
+waits (an emulated link) the compute fit still subtracts what the passes waited rather than what
+they copied: a layer's pipelined rounds hide copies behind compute, and counting those as compute
+time saved would make compute look faster than it is (the replay models that overlap itself).
 """
 
 from __future__ import annotations
@@ -77,11 +80,23 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def visible_copy_seconds(record: CycleRecord, overlap: bool = False) -> float:
-    """The copy seconds a cycle's time contains: its H2D seconds, or, when its copies were pipelined
-    (``overlap``, or the record says so), the time compute blocked on them, where it was measured."""
+    """The copy seconds a cycle's misses are charged for (c_copy): its H2D seconds, or, when its
+    copies were pipelined by prefetch (``overlap``, or the record says so), the time compute
+    blocked on them, where it was measured."""
     stall = getattr(record, "h2d_stall_seconds", None)
     pipelined_copies = overlap or getattr(record, "copies_overlap", False)
     return float(stall) if pipelined_copies and stall is not None else record.h2d_seconds
+
+
+def waited_copy_seconds(record: CycleRecord, overlap: bool = False) -> float:
+    """The copy seconds a cycle's time contains: what its passes waited where the host measured it
+    (an emulated link; pipelined rounds hide copies behind compute even without prefetch), else
+    :func:`visible_copy_seconds`. The compute fit subtracts this, so hidden copies are not taken
+    for faster compute (the replay models the rounds' overlap itself)."""
+    stall = getattr(record, "h2d_stall_seconds", None)
+    if getattr(record, "stall_measured", False) and stall is not None:
+        return float(stall)
+    return visible_copy_seconds(record, overlap)
 
 
 def fit_constants(records: Sequence[CycleRecord], fallback_copy_seconds: float | None = None,
@@ -94,9 +109,10 @@ def fit_constants(records: Sequence[CycleRecord], fallback_copy_seconds: float |
     used = np.array([r.hits + r.misses for r in records], dtype=float)
     misses = np.array([r.misses for r in records], dtype=float)
     h2d = np.array([visible_copy_seconds(r, overlap) for r in records])
+    waited = np.array([waited_copy_seconds(r, overlap) for r in records])
     draft = np.array([r.draft_seconds + r.select_seconds for r in records])
     total = np.array([r.total_seconds for r in records])
-    compute = total - draft - h2d
+    compute = total - draft - waited
     c0, c_tok, c_hit = nnls(np.stack([np.ones_like(n), n + 1, used], axis=1), compute)
     if misses.sum() > 0:
         c_copy = float(h2d.sum() / misses.sum())

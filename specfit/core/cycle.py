@@ -17,7 +17,7 @@ import torch
 
 from specfit.core import guard
 from specfit.core.acceptance import Acceptance, walk
-from specfit.core.calibration import visible_copy_seconds
+from specfit.core.calibration import waited_copy_seconds
 from specfit.core.sampling import Sampler
 from specfit.core.stats import CycleRecord, prediction_overlap
 from specfit.core.tree import DraftTree, VerifyBlock, verify_block
@@ -36,6 +36,7 @@ class Verdict:
     h2d_seconds: float = 0.0
     h2d_stall_seconds: float = 0.0  # time the pass's compute blocked on copies (pipelined runtime)
     copies_overlap: bool = False  # copies overlapped other work and the stall is what the pass waited
+    stall_measured: bool = False  # h2d_stall_seconds is the pass's wait as the host measured it (emulated link)
 
 
 @dataclass
@@ -216,6 +217,7 @@ class Cycle:
             h2d_seconds=verdict.h2d_seconds,
             h2d_stall_seconds=verdict.h2d_stall_seconds,
             copies_overlap=verdict.copies_overlap,
+            stall_measured=verdict.stall_measured,
             total_seconds=times.total_seconds,
             misses=verdict.misses,
             hits=verdict.hits,
@@ -226,7 +228,7 @@ class Cycle:
         if self.cost_model is not None and verifier.measured:  # learns from measured cycles only
             guard.call("cost_model", self.cost_model, "observe", record)
         if self.sink is not None and verifier.measured:  # a live sink learns a layer's compute time
-            self.sink.observe(record.verify_seconds, visible_copy_seconds(record), record.verified + 1)
+            self.sink.observe(record.verify_seconds, waited_copy_seconds(record), record.verified + 1)
         report_time(selector, record.levels > 0, record.committed, record.total_seconds)
         if self.observers:
             trace = CycleTrace(tree, block, verifier.argmax(), verdict.routing, path, acc.bonus, level_seconds, record)

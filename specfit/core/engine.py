@@ -124,6 +124,7 @@ class Engine:
             self.prefetch_sink = LiveSink(prefetcher, self.runtime, cost_model)
             self.prefetch_sink.call("bind", self.target, self.prefetch_sink)
         self.copies_overlap = pipelined(self)  # cycles' times then hold the stall, not the issued copies
+        self.stall_measured = bool(getattr(self.copy_engine, "emulated", False))  # its waits are the host's
         self.sampling = sampling or SamplingParams()
         self.max_new_tokens = max_new_tokens
         # prompt + output never exceed this (None: the model states no limit)
@@ -281,7 +282,8 @@ class LiveVerifier:
         self._result = result = self.target.verify(block)
         during = self.runtime.stats.since(before)
         return Verdict(result.routing, during.misses, during.hits, [int(u) for u in during.union_sum],
-                       during.h2d_seconds, during.h2d_stall_seconds, self.engine.copies_overlap)
+                       during.h2d_seconds, during.h2d_stall_seconds, self.engine.copies_overlap,
+                       self.engine.stall_measured)
 
     def token_after(self, block: VerifyBlock, pos: int, sampler: Sampler) -> int:
         return sampler.token(self._result.logits[pos], sampler.position + block.depths[pos])

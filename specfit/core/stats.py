@@ -52,6 +52,9 @@ class CycleRecord:
     # the copies overlapped other work (prefetch on a link whose waits the host measures): the pass's
     # time holds h2d_stall_seconds of copying, not h2d_seconds (see specfit.core.calibration)
     copies_overlap: bool = False
+    # h2d_stall_seconds is what the pass waited, measured by the host (an emulated link's waits): the
+    # pass's time holds it, not h2d_seconds, even without prefetch (pipelined rounds hide copies too)
+    stall_measured: bool = False
 
 
 @dataclass

@@ -177,6 +177,26 @@ def test_calibration_fits_the_overlap_it_observes() -> None:
     assert fit_constants(sync).c_miss - C.c_hit == pytest.approx(4e-3, rel=1e-6)
 
 
+def test_without_prefetch_a_measured_wait_keeps_hidden_copies_out_of_the_compute_fit() -> None:
+    """Pipelined rounds hide a quarter of each cycle's copies without any prefetch. Where the host
+    measured the waits (stall_measured: an emulated link) the compute constants come out exact and
+    c_copy stays the copies' own time; read as before, hidden copies passed for faster compute."""
+    from specfit.core.calibration import fit_constants, waited_copy_seconds
+
+    records = cycles(0.75, np.random.default_rng(5))  # the pass waited 3/4 of its copies
+    for r in records:
+        r.stall_measured = True
+    fitted = fit_constants(records)
+    assert (fitted.c0, fitted.c_tok, fitted.c_hit) == (pytest.approx(C.c0, rel=1e-6), pytest.approx(C.c_tok, rel=1e-6),
+                                                       pytest.approx(C.c_hit, rel=1e-6))
+    assert fitted.c_miss - fitted.c_hit == pytest.approx(4e-3, rel=1e-6)  # the copies' own time
+    assert waited_copy_seconds(records[0]) == records[0].h2d_stall_seconds
+    for r in records:
+        r.stall_measured = False
+    biased = fit_constants(records)  # hidden copy time taken for compute time saved
+    assert biased.c0 + biased.c_tok + biased.c_hit * 10 < C.c0 + C.c_tok + C.c_hit * 10
+
+
 def test_records_say_their_copies_overlapped_and_the_online_refit_and_sink_read_the_stall() -> None:
     """A cycle of a pipelined engine (prefetch over the emulated link) is marked copies_overlap, so the
     online refit fits the visible stall as the calibration does, and the live sink's per-layer compute
@@ -210,7 +230,9 @@ def test_records_say_their_copies_overlapped_and_the_online_refit_and_sink_read_
     out = pipelined.generate([5, 17, 99, 3], max_new_tokens=6)
     assert seen == pytest.approx([c.h2d_stall_seconds for c in out.cycles])
     for copy, prefetch in (("emulated", False), ("torch", True)):
-        assert not any(c.copies_overlap for c in engine(copy, prefetch).generate([5, 17, 99, 3], max_new_tokens=4).cycles)
+        runs = engine(copy, prefetch).generate([5, 17, 99, 3], max_new_tokens=4).cycles
+        assert not any(c.copies_overlap for c in runs)
+        assert all(c.stall_measured == (copy == "emulated") for c in runs)  # the emulated link's waits are the host's
 
 
 def test_a_pipelined_calibration_reports_its_overlap_and_names_the_prefetcher() -> None:
