@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -269,17 +269,10 @@ class OffloadRuntime:
         if asked and not (0 <= min(asked) and max(asked) < spec.num_experts):
             bad = next(e for e in asked if not 0 <= e < spec.num_experts)
             raise ValueError(f"prefetch: expert {bad} outside 0..{spec.num_experts - 1}")
-        held = set(self.slot_expert[layer].tolist())
-        candidates = [e for e in asked if e not in held]
-        if not candidates or self.store.layers[layer] is None:
+        if self.store.layers[layer] is None:  # every expert preloaded, the host copy dropped: nothing to fetch
             return 0
-        if not can_prefetch(self.policy):
-            self._cannot_prefetch()
-            return 0
-        # asked for and already in a slot: evicting them would defeat the prefetch
-        protected = self._protected(layer).union(e for e in asked if e in held)
-        admission = guard.call("cache", self.policy, "admit_prefetch", layer, list(candidates), protected)
-        loads = check_prefetch_admission(self.policy, self.slot_expert[layer], layer, candidates, protected, admission)
+        loads = prefetch_loads(self.policy, self.slot_expert[layer], layer, asked, lambda: self._protected(layer),
+                               self._cannot_prefetch)
         if not loads:
             return 0
         for expert, slot in loads:
@@ -544,6 +537,27 @@ def _admit(policy: ExpertCache, row: np.ndarray, layer: int, wanted: list[int]) 
     for expert, slot in admission.loads:
         row[slot] = expert
     return admission
+
+
+def prefetch_loads(policy: ExpertCache, row: np.ndarray, layer: int, asked: list[int],
+                   busy: Callable[[], Iterable[int]], cannot: Callable[[], None]) -> list[tuple[int, int]]:
+    """The checked (expert, slot) loads of a prefetch of ``asked`` (distinct, most wanted first) into
+    one layer's slots ``row``; the live runtime and the replay's modelled link decide with it.
+
+    Experts already held are not copied, and are protected from eviction with ``busy()`` (those in
+    flight or in use): evicting an expert the request names would defeat it. A policy without its
+    own ``admit_prefetch`` admits nothing: ``cannot()`` is called (when there is something to
+    copy) and no load returned. ``busy`` is called only when the policy is asked."""
+    held = set(row.tolist())
+    candidates = [e for e in asked if e not in held]
+    if not candidates:
+        return []
+    if not can_prefetch(policy):
+        cannot()
+        return []
+    protected = frozenset(busy()).union(e for e in asked if e in held)
+    admission = guard.call("cache", policy, "admit_prefetch", layer, list(candidates), protected)
+    return check_prefetch_admission(policy, row, layer, candidates, protected, admission)
 
 
 def check_prefetch_admission(policy: ExpertCache, slots: np.ndarray, layer: int, candidates: list[int],

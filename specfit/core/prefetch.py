@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
 from specfit.core import guard
-from specfit.core.offload import can_prefetch, check_prefetch_admission
+from specfit.core.offload import prefetch_loads
 from specfit.errors import PluginError, SpecfitError
 
 KIND = "prefetch"  # the plug-in kind, as errors name it: "prefetch 'draft' (after_level): ..."
@@ -249,22 +249,18 @@ class ModelledSink(PrefetchSink):
     def link_free_in(self) -> float:
         return max(self._link_free - self._now, 0.0)
 
+    def _cannot_prefetch(self) -> None:
+        if not self._cannot:
+            self.note(f"cache '{guard.plugin_name(self.cache)}' cannot prefetch (no admit_prefetch)")
+            self._cannot = True
+
     def _issue(self, layer: int, experts: list[int]) -> int:
         row = self.slot_expert[layer]
-        held = set(row.tolist())
-        candidates = [e for e in experts if e not in held]
-        if not candidates:
-            return 0
-        if not can_prefetch(self.cache):  # as the live runtime decides: the base hook admits nothing
-            if not self._cannot:
-                self.note(f"cache '{guard.plugin_name(self.cache)}' cannot prefetch (no admit_prefetch)")
-                self._cannot = True
-            return 0
-        # as the live runtime: in flight, or asked for and already in a slot (evicting it defeats the prefetch)
-        protected = frozenset(int(e) for e in row[row >= 0] if self._arrive[layer, e] > self._now).union(
-            e for e in experts if e in held)
-        admission = guard.call("cache", self.cache, "admit_prefetch", layer, candidates, protected)
-        loads = check_prefetch_admission(self.cache, row, layer, candidates, protected, admission)
+
+        def in_flight() -> Iterable[int]:
+            return (int(e) for e in row[row >= 0] if self._arrive[layer, e] > self._now)
+
+        loads = prefetch_loads(self.cache, row, layer, experts, in_flight, self._cannot_prefetch)  # as the live runtime
         for expert, slot in loads:
             old = int(row[slot])
             if old >= 0 and self._pending.pop((layer, old), None) is not None:
