@@ -137,6 +137,12 @@ def _completed(path: Path, configs: dict[str, DictConfig]) -> dict[tuple[str, st
 _JOB_KEYS = ("resume", "methods", "workloads", "repeats", "method_presets", "baseline")
 
 
+def _baseline(cfg: DictConfig, methods: dict[str, Any]) -> str:
+    """The method paired ratios are taken over: ``baseline`` when it ran, else the first one (as
+    :func:`specfit.results.comparison_table` picks its row)."""
+    return cfg.baseline if cfg.baseline in methods else next(iter(methods))
+
+
 def _plain(config: Any) -> Any:
     """A run's config as stored in a results row, without the keys that only shape the job."""
     if isinstance(config, DictConfig):
@@ -214,7 +220,7 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
                                 outputs.setdefault(i, {})[method] = row["output_ids"]
                             rows.append(row)
             identical = all(len({tuple(v) for v in o.values()}) == 1 for o in outputs.values())
-            base = cfg.baseline if cfg.baseline in per_method else next(iter(per_method))
+            base = _baseline(cfg, per_method)
             summary = [{"method": m, **about, **mean_stats(s), **paired_fields(s, per_method[base]),
                         "outputs_identical": identical} for m, s in per_method.items()]
             for m, s in per_method.items():
@@ -235,7 +241,7 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
               f"{resume_command(output_dir)}", file=sys.stderr, flush=True)
         raise
     if len(workloads) > 1 and all_runs:
-        base = cfg.baseline if cfg.baseline in all_runs else next(iter(all_runs))
+        base = _baseline(cfg, all_runs)
         overall = [{"method": m, "workload": "all", **mean_stats(s), **paired_fields(s, all_runs[base])}
                    for m, s in all_runs.items()]
         summaries += overall

@@ -9,8 +9,8 @@ or modelled draft time), reads the target's tokens off the recorded argmaxes, co
 hits and misses that the real cache policy (driven through
 :func:`specfit.core.offload.admission_rounds`) has on the recorded routing, and charges the cost
 model's time for them, less the copy time a layer's pipelined rounds hide behind its compute
-(:func:`hidden_copy_seconds`, the live runtime's schedule); the cycle feeds the selector and predictor what the engine would, and the
-replay moves on by the tokens committed.
+(:func:`hidden_copy_seconds`, the live runtime's schedule); the cycle feeds the selector and
+predictor what the engine would, and the replay moves on by the tokens committed.
 
 The replayed tree is the drafted tree, node for node, so selectors and predictors see what they
 saw live. The target's verdict is known for the recorded candidates (every level's ``total_tokens``
