@@ -121,7 +121,8 @@ class CostAwareSelector(SelectorBase):
         self._drafted_since_plain = 0  # drafted cycles since a plain pass was last timed
         self.keeper: Any = None  # set by specfit.core.setup_state: saves what the gate and estimator learned
         self._estimates: np.ndarray | None = None  # the last selection's a_v, scored once the outcome is known
-        self._previous_rho = self._plain_seconds = 0.0
+        self._previous_value = self._plain_seconds = 0.0
+        self.rate_tracker = RateTracker()  # the decode's throughput so far: lambda of objective=rate
         self._last: tuple[float, float] | None = None  # (T(S*), C(root only) without drafting) of the last selection
 
     def set_acceptance(self, estimator: Any) -> None:
@@ -148,6 +149,11 @@ class CostAwareSelector(SelectorBase):
     def choose(self, problem: SearchProblem, allowed: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
+    def surplus_rate(self) -> float | None:
+        """lambda when ``choose`` maximises the surplus N - lambda * T (the draft-stop rule then
+        compares surpluses too); None: it maximises the ratio N / T."""
+        return None
+
     def accept_estimates(self, tree: DraftTree) -> np.ndarray:
         """a_v of every node, from the estimator; a wrong shape or a value outside [0, 1] names it."""
         estimates = np.asarray(self.estimator.estimate(tree), dtype=np.float64)
@@ -171,18 +177,22 @@ class CostAwareSelector(SelectorBase):
         problem = cost_model.problem(tree, self.accept_estimates(tree), ctx.resident, spent, **extra)
         allowed = np.zeros(len(tree), dtype=bool)
         allowed[tree.top_by_path_prob(ctx.max_nodes)] = True
+        rate = self.surplus_rate()
         mask = self.choose(problem, allowed)
         n_expected, seconds, rho = evaluate(problem, mask)
+        value = _objective(rate)
         depth = tree.depth
-        if depth == 1:  # the root alone: the rho to beat, and a plain pass's seconds (the same at every level)
-            _, root_only, self._previous_rho = evaluate(problem, np.zeros(len(tree), dtype=bool))
+        if depth == 1:  # the root alone: the value to beat, and a plain pass's seconds (the same at every level)
+            n_root, root_only, _ = evaluate(problem, np.zeros(len(tree), dtype=bool))
+            self._previous_value = value(n_root, root_only)
             self._plain_seconds = root_only - problem.draft_time
         stop = depth >= ctx.max_depth
+        current = value(n_expected, seconds)
         if self.early_stop and not stop:
             uses_newest = bool(mask[list(tree.level(depth))].any())
-            loss_of_one_more_level = rho - n_expected / (seconds + cost_model.constants.c_level)
-            stop = not uses_newest or (rho - self._previous_rho) <= loss_of_one_more_level
-        self._previous_rho = rho
+            loss_of_one_more_level = current - value(n_expected, seconds + cost_model.constants.c_level)
+            stop = not uses_newest or (current - self._previous_value) <= loss_of_one_more_level
+        self._previous_value = current
         self._last = (seconds, self._plain_seconds)
         return Selection(nodes=np.flatnonzero(mask).tolist(), stop=stop,
                          predicted={"rho": rho, "expected_tokens": n_expected, "seconds": seconds})
@@ -211,9 +221,13 @@ class CostAwareSelector(SelectorBase):
         gate skips drafting; until one has been, the cost model's C(root only) stands in."""
         if self.keeper is not None:
             self.keeper.tick()
+        predicted, self._last = self._last, None
+        if self.draft_time == "measured":
+            self.rate_tracker.add(committed, seconds)
+        elif predicted is not None or (not drafted and self._plain_seconds > 0.0):  # no clock: predicted times
+            self.rate_tracker.add(committed, predicted[0] if drafted and predicted else self._plain_seconds)
         if self.gate is None:
             return
-        predicted, self._last = self._last, None
         if not drafted:
             if self.draft_time == "measured":
                 self.gate.plain(seconds)
@@ -233,6 +247,31 @@ class CostAwareSelector(SelectorBase):
             if self._drafted_since_plain >= self.gate.max_backoff and self.gate.skip_left == 0:
                 self.gate.skip_left = 1
                 self._drafted_since_plain = 0
+
+
+class RateTracker:
+    """A decode's throughput in committed tokens per second, over recent cycles (decayed sums):
+    the lambda at which ``selector.objective=rate`` maximises N - lambda * T."""
+
+    def __init__(self, decay: float = 0.95) -> None:
+        self.decay, self.tokens, self.seconds = decay, 0.0, 0.0
+
+    def add(self, committed: int, seconds: float) -> None:
+        if seconds > 0.0 and np.isfinite(seconds):
+            self.tokens = self.decay * self.tokens + committed
+            self.seconds = self.decay * self.seconds + seconds
+
+    @property
+    def rate(self) -> float | None:
+        """Tokens per second, or None before a cycle with a positive time was seen."""
+        return self.tokens / self.seconds if self.seconds > 0.0 and self.tokens > 0.0 else None
+
+
+def _objective(rate: float | None) -> Any:
+    """value(N, T) of the selector's objective: the ratio N / T, or the surplus N - rate * T."""
+    if rate is None:
+        return lambda n, t: n / t
+    return lambda n, t: n - rate * t
 
 
 _TAKES_ARRIVING: dict[type, bool] = {}

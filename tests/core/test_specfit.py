@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import time
@@ -41,7 +42,9 @@ def reference(n=40):
 @pytest.mark.parametrize("cache", [lambda: LRUCache(capacity=4), lambda: NoCache(), lambda: FullCache()], ids=["lru", "none", "full"])
 @pytest.mark.parametrize("predictor", [HistoryPredictor, RouterProbePredictor])
 @pytest.mark.parametrize("acceptance", ["path_prob", "calibrated"])
-@pytest.mark.parametrize("selector", [SpecFitSelector, GreedySelector, PrefixSelector])
+@pytest.mark.parametrize("selector", [SpecFitSelector, GreedySelector, PrefixSelector,
+                                      functools.partial(SpecFitSelector, objective="rate")],
+                         ids=["specfit", "greedy", "prefix", "specfit_rate"])
 def test_cost_aware_selectors_are_lossless(cache, predictor, acceptance, selector):
     ref = reference()
     engine = Engine(tiny_model(), cache=cache(), drafter=ScriptedDrafter(ref, vocab=256, branching=3, depth=4, miss=0.1),
@@ -345,3 +348,28 @@ def test_calibrated_acceptance_learns_from_unverified_nodes_after_a_greedy_pass(
     seen = calibrator.seen.sum()
     calibrator.observe(tree, verified=[], accepted=[])
     assert calibrator.seen.sum() == seen
+
+
+def test_rate_objective_maximises_the_surplus_at_the_decodes_throughput():
+    """objective=rate: the first cycle (no throughput yet) maximises N / T; later ones maximise
+    N - lambda * T at the decayed committed tokens per second the selector was told of."""
+    from specfit.core.selection import RateTracker
+
+    tracker = RateTracker(decay=0.5)
+    assert tracker.rate is None
+    tracker.add(2, 0.01)
+    tracker.add(1, 0.0)  # a cycle without a positive time teaches nothing
+    assert tracker.rate == pytest.approx(200.0)
+    tracker.add(1, 0.01)
+    assert tracker.rate == pytest.approx((0.5 * 2 + 1) / (0.5 * 0.01 + 0.01))
+
+    selector = SpecFitSelector(objective="rate", draft_gate=False)
+    assert selector.surplus_rate() is None
+    selector.observe_time(False, 1, 0.02)
+    assert selector.surplus_rate() == pytest.approx(50.0)
+    assert SpecFitSelector().surplus_rate() is None  # ratio: never a surplus
+    with pytest.raises(ConfigError, match="selector.objective='fastest'"):
+        SpecFitSelector(objective="fastest")
+    with pytest.raises(ConfigError, match="selector.objective"):
+        specfit.compose(["model=tiny", "drafter=eagle3", "selector=specfit", "selector.objective=fastest",
+                         "cost_model=union", "predictor=history"])

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specfit.core.search import (SearchProblem, evaluate, greedy, is_ancestor_closed,
-                                 node_depths, solve)
+                                 node_depths, solve, solve_surplus)
 from specfit.core.search.bruteforce import brute_force
 from specfit.core.search.synthetic import paper_scale_problem, random_small_problem
 
@@ -194,3 +194,60 @@ def test_input_validation() -> None:
         solve(p, initial=np.array([False, True]))  # not ancestor-closed
     with pytest.raises(ValueError):
         solve(p, allowed=np.array([False, True]), initial=np.array([True, False]))
+
+
+def check_surplus_against_brute_force(problem: SearchProblem, rate: float, allowed=None) -> None:
+    """solve_surplus returns a closed subtree whose surplus N - rate * T is the maximum over
+    every enumerated subtree (to float round-off), and never less than the root alone's."""
+    result = solve_surplus(problem, rate, allowed=allowed)
+    bf = brute_force(problem, allowed=allowed)
+    assert is_ancestor_closed(problem.parents, result.mask)
+    if allowed is not None:
+        assert not np.any(result.mask & ~np.asarray(allowed))
+    surplus = [evaluate(problem, m)[0] - rate * evaluate(problem, m)[1] for m in bf.masks]
+    n_exp, t_cost, _ = evaluate(problem, result.mask)
+    got, best = n_exp - rate * t_cost, max(surplus)
+    scale = max(1.0, abs(best), rate * t_cost)
+    assert got >= best - 1e-9 * scale, (got, best)
+    assert got >= surplus[0] - 1e-12 * scale  # masks[0] is the empty set
+    assert result.n_expected == pytest.approx(n_exp, rel=1e-12)
+    assert result.time_cost == pytest.approx(t_cost, rel=1e-12)
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_problems(), st.sampled_from([1e-6, 0.01, 0.5, 1.0, 3.0, 100.0, 1e4, 1e8]),
+       st.randoms(use_true_random=False))
+def test_surplus_matches_brute_force(problem: SearchProblem, rate: float, rnd) -> None:
+    allowed = (np.array([rnd.random() < 0.7 for _ in range(problem.n_nodes)], dtype=bool)
+               if rnd.random() < 0.5 else None)
+    check_surplus_against_brute_force(problem, rate, allowed)
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_surplus_random_small_problems(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    problem = random_small_problem(rng, accept_grid=bool(seed % 2))
+    rho = solve(problem).rho
+    for rate in (0.5 * rho, rho, 2.0 * rho):  # below, at and above the cycle's own best ratio
+        check_surplus_against_brute_force(problem, rate)
+
+
+def test_surplus_at_the_optimal_ratio_agrees_with_solve() -> None:
+    """At rate = rho* the maximiser of N - rate * T is the ratio's maximiser (g(S*) = 0 is the
+    maximum), and a lower rate takes at least as many expected tokens."""
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        problem = paper_scale_problem(rng, n_nodes=24, layers=4, experts=16, top_k=2)
+        best = solve(problem)
+        at = solve_surplus(problem, best.rho)
+        assert evaluate(problem, at.mask)[2] == pytest.approx(best.rho, rel=1e-9)
+        lower = solve_surplus(problem, 0.5 * best.rho)
+        assert lower.n_expected >= at.n_expected - 1e-12
+
+
+def test_surplus_rejects_a_bad_rate() -> None:
+    problem = SearchProblem(parents=[-1], accept=[0.9], node_experts=[[[0]]], root_experts=[[1]],
+                            resident=[[False, True]], c0=1.0, c_tok=0.0, c_miss=1.0, c_hit=0.0)
+    for rate in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="rate"):
+            solve_surplus(problem, rate)

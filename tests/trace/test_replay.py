@@ -85,6 +85,9 @@ SELECTORS = {
     "none": lambda: (registered("none"), None),  # never drafts: autoregressive steps
     "specfit": lambda: (SpecFitSelector(draft_time="modelled"), HistoryPredictor()),  # with its draft gate
     "specfit_nogate": lambda: (SpecFitSelector(draft_time="modelled", draft_gate=False), HistoryPredictor()),
+    # maximises N - lambda * T at the modelled throughput so far: clock-free too
+    "specfit_rate": lambda: (SpecFitSelector(draft_time="modelled", objective="rate", draft_gate=False),
+                             HistoryPredictor()),
     "specfit_calibrated": lambda: (SpecFitSelector(draft_time="modelled", acceptance="calibrated", draft_gate=False),
                                    HistoryPredictor()),
     # learns online from every tree, with the head's entropies and the root probabilities the trace carries

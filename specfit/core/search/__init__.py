@@ -4,10 +4,11 @@
                             c0=..., c_tok=..., c_miss=..., c_hit=..., draft_time=...)
     result = solve(problem)                 # result.mask, result.rho, result.max_depth, ...
     result = solve(problem, allowed=depth <= d, initial=previous.mask)
+    result = solve_surplus(problem, rate=lam)  # max N - lam * T: the long-run-throughput choice
 """
 
-from specfit.core.search.exact import TIE_RTOL, SearchResult, greedy, solve
+from specfit.core.search.exact import TIE_RTOL, SearchResult, greedy, solve, solve_surplus
 from specfit.core.search.problem import SearchProblem, evaluate, is_ancestor_closed, node_depths
 
 __all__ = ["SearchProblem", "SearchResult", "TIE_RTOL", "evaluate", "is_ancestor_closed",
-           "greedy", "node_depths", "solve"]
+           "greedy", "node_depths", "solve", "solve_surplus"]

@@ -51,7 +51,7 @@ from numba.extending import intrinsic
 from specfit.core.search.maxflow import build_residual, dinic, residual_reachable
 from specfit.core.search.problem import SearchProblem
 
-__all__ = ["SearchResult", "TIE_RTOL", "greedy", "solve"]
+__all__ = ["SearchResult", "TIE_RTOL", "greedy", "solve", "solve_surplus"]
 
 TIE_RTOL = 1e-12
 """Ratios this close (relative) are treated as equal; the subtree with fewer nodes is kept."""
@@ -516,9 +516,7 @@ def _solve_kernel(parents, accept, node_experts, root_experts, resident, wait, c
     arr, extra = _wait_bits(wait, n_words)
 
     alive = _alive(parents, allowed)
-    depth = np.zeros(n, dtype=np.int64)
-    for v in range(n):
-        depth[v] = 1 if parents[v] < 0 else depth[parents[v]] + 1
+    depth = _node_depths(parents)
     new = _topmost(own, root, res, arr, parents, alive, c_miss, c_hit)
 
     best = np.zeros(n, dtype=np.bool_)
@@ -552,23 +550,10 @@ def _solve_kernel(parents, accept, node_experts, root_experts, resident, wait, c
     for _ in range(max_iter):
         iterations += 1
         lam = best_n / best_t
-        _prune(lam, node_ok, parents, accept, new, res, arr, extra, c_tok, c_miss, c_hit, profit,
-               twice)
-        n_ok = 0
-        for v in range(n):
-            if node_ok[v]:
-                n_ok += 1
-        if n_ok == 0:
-            cand = np.zeros(n, dtype=np.bool_)  # nothing can pay at lambda: the empty set wins
-        else:
-            weight, first, users = _shared_items(node_ok, new, twice, res, extra, c_miss, c_hit,
-                                                 slot)
-            if merge:
-                gweight, grep = _merge_items(weight, first, users)
-            else:
-                gweight, grep = weight.copy(), np.arange(weight.shape[0])
-            cand, n_vert, n_arcs = _closure_cut(lam, node_ok, parents, accept, profit, gweight,
-                                                grep, first, users, tie_rtol)
+        cand, n_ok, cut, n_vert, n_arcs = _maximise_at(lam, node_ok, parents, accept, new, res, arr,
+                                                       extra, c_tok, c_miss, c_hit, profit, twice,
+                                                       slot, merge, tie_rtol)
+        if cut:
             maxflow_calls += 1
             max_vertices = max(max_vertices, n_vert)
             max_arcs = max(max_arcs, n_arcs)
@@ -586,16 +571,90 @@ def _solve_kernel(parents, accept, node_experts, root_experts, resident, wait, c
             best_n, best_t, best_size = c_n, c_t, c_size
         break
 
-    max_depth = 0
-    for v in range(n):
-        if best[v] and depth[v] > max_depth:
-            max_depth = depth[v]
-    depth_counts = np.zeros(max_depth + 1, dtype=np.int64)
-    for v in range(n):
-        if best[v]:
-            depth_counts[depth[v]] += 1
+    max_depth, depth_counts = _depth_counts(best, depth)
     return (best, best_n, best_t, iterations, maxflow_calls, max_depth, depth_counts,
             max_vertices, max_arcs, n_ok)
+
+
+@njit(cache=True)
+def _surplus_kernel(parents, accept, node_experts, root_experts, resident, wait, c0, c_tok,
+                    c_miss, c_hit, draft, allowed, lam, merge, tie_rtol):
+    """argmax g(S) = N(S) - lam * T(S) at a fixed lam: one pruning and one cut, no Dinkelbach.
+    The cut's set is kept only if its surplus, recomputed in floats, beats the empty set's by
+    more than tie_rtol (relative), so rounding can never return a worse set than verifying the
+    root alone."""
+    n = parents.shape[0]
+    n_layers = resident.shape[0]
+    n_words = (resident.shape[1] + 63) >> 6
+    own, root, res = _expert_bitsets(node_experts, root_experts, resident, n_words)
+    arr, extra = _wait_bits(wait, n_words)
+    alive = _alive(parents, allowed)
+    depth = _node_depths(parents)
+    new = _topmost(own, root, res, arr, parents, alive, c_miss, c_hit)
+    node_ok = alive.copy()
+    profit = np.zeros(n, dtype=np.float64)
+    twice = np.zeros((n_layers, n_words), dtype=np.uint64)
+    slot = np.full(n_layers * n_words * 64, -1, dtype=np.int64)
+    cand, n_ok, cut, n_vert, n_arcs = _maximise_at(lam, node_ok, parents, accept, new, res, arr,
+                                                   extra, c_tok, c_miss, c_hit, profit, twice,
+                                                   slot, merge, tie_rtol)
+    best = np.zeros(n, dtype=np.bool_)
+    best_n, best_t, _size = _evaluate(best, accept, own, root, res, arr, extra, c0, c_tok, c_miss,
+                                      c_hit, draft)
+    c_n, c_t, _c_size = _evaluate(cand, accept, own, root, res, arr, extra, c0, c_tok, c_miss,
+                                  c_hit, draft)
+    if c_n - lam * c_t > best_n - lam * best_t + tie_rtol * c_n:
+        _copy_into(best, cand)
+        best_n, best_t = c_n, c_t
+    max_depth, depth_counts = _depth_counts(best, depth)
+    return (best, best_n, best_t, 1, 1 if cut else 0, max_depth, depth_counts, n_vert, n_arcs,
+            n_ok)
+
+
+@njit(cache=True)
+def _maximise_at(lam, node_ok, parents, accept, new, res, arr, extra, c_tok, c_miss, c_hit,
+                 profit, twice, slot, merge, tie_rtol):
+    """The inclusion-minimal maximiser of g at lam over the nodes left in node_ok, which is pruned
+    in place (bound pruning and folding, then one cut on what survives). Returns (mask,
+    surviving nodes, whether a cut ran, its vertex and arc counts)."""
+    n = parents.shape[0]
+    _prune(lam, node_ok, parents, accept, new, res, arr, extra, c_tok, c_miss, c_hit, profit, twice)
+    n_ok = 0
+    for v in range(n):
+        if node_ok[v]:
+            n_ok += 1
+    if n_ok == 0:
+        return np.zeros(n, dtype=np.bool_), 0, False, 0, 0  # nothing can pay at lambda
+    weight, first, users = _shared_items(node_ok, new, twice, res, extra, c_miss, c_hit, slot)
+    if merge:
+        gweight, grep = _merge_items(weight, first, users)
+    else:
+        gweight, grep = weight.copy(), np.arange(weight.shape[0])
+    cand, n_vert, n_arcs = _closure_cut(lam, node_ok, parents, accept, profit, gweight, grep,
+                                        first, users, tie_rtol)
+    return cand, n_ok, True, n_vert, n_arcs
+
+
+@njit(cache=True)
+def _node_depths(parents):
+    depth = np.zeros(parents.shape[0], dtype=np.int64)
+    for v in range(parents.shape[0]):
+        depth[v] = 1 if parents[v] < 0 else depth[parents[v]] + 1
+    return depth
+
+
+@njit(cache=True)
+def _depth_counts(mask, depth):
+    """(deepest chosen depth, chosen nodes per depth)."""
+    max_depth = 0
+    for v in range(mask.shape[0]):
+        if mask[v] and depth[v] > max_depth:
+            max_depth = depth[v]
+    counts = np.zeros(max_depth + 1, dtype=np.int64)
+    for v in range(mask.shape[0]):
+        if mask[v]:
+            counts[depth[v]] += 1
+    return max_depth, counts
 
 
 @njit(cache=True)
@@ -670,6 +729,33 @@ def solve(problem: SearchProblem, allowed: np.ndarray | None = None,
                            problem.root_experts, problem.resident, problem.wait, problem.c0,
                            problem.c_tok, problem.c_miss, problem.c_hit, problem.draft_time,
                            allowed_arr, init_arr, use_init, merge, warm, TIE_RTOL, _MAX_ITER)
+    return SearchResult(mask=mask, rho=n_exp / t_cost, n_expected=n_exp, time_cost=t_cost,
+                        iterations=int(iterations), maxflow_calls=int(calls),
+                        max_depth=int(max_depth), depth_counts=depth_counts,
+                        graph_vertices=int(n_vert), graph_arcs=int(n_arcs),
+                        surviving_nodes=int(n_ok))
+
+
+def solve_surplus(problem: SearchProblem, rate: float, allowed: np.ndarray | None = None,
+                  merge: bool = True) -> SearchResult:
+    """The ancestor-closed subtree maximising the surplus g(S) = N(S) - rate * T(S), exactly.
+
+    This is the choice that maximises long-run throughput (tokens per second over many cycles)
+    when ``rate`` is that long-run throughput: by the renewal-reward theorem a decode's rate is
+    E[N] / E[T] over its cycles, and a cycle that maximises its own ratio N / T gives up tokens
+    worth more than their time whenever its best ratio lies above the decode's rate (or takes a
+    long cycle when it lies below). One pruning and one minimum cut at ``rate`` (Dinkelbach's
+    inner problem); ties resolve to the smallest maximiser, and the set is kept only if its
+    surplus, recomputed in floats, beats verifying the root alone.
+    """
+    if not (np.isfinite(rate) and rate > 0):
+        raise ValueError(f"rate must be a positive finite number of tokens per second, got {rate}")
+    allowed_arr = _allowed_mask(problem, allowed)
+    (mask, n_exp, t_cost, iterations, calls, max_depth, depth_counts, n_vert, n_arcs,
+     n_ok) = _surplus_kernel(problem.parents, problem.accept, problem.node_experts,
+                             problem.root_experts, problem.resident, problem.wait, problem.c0,
+                             problem.c_tok, problem.c_miss, problem.c_hit, problem.draft_time,
+                             allowed_arr, float(rate), merge, TIE_RTOL)
     return SearchResult(mask=mask, rho=n_exp / t_cost, n_expected=n_exp, time_cost=t_cost,
                         iterations=int(iterations), maxflow_calls=int(calls),
                         max_depth=int(max_depth), depth_counts=depth_counts,

@@ -10,21 +10,45 @@ estimates, the stop rule) is :class:`specfit.core.selection.CostAwareSelector`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from specfit.core.search import SearchProblem, solve
+from specfit.core.search import SearchProblem, solve, solve_surplus
 from specfit.core.selection import CostAwareSelector, CostAwareSelectorConfig
+from specfit.errors import ConfigError
+
+OBJECTIVES = ("ratio", "rate")
 
 
 @dataclass
 class SpecFitSelectorConfig(CostAwareSelectorConfig):
     name: str = "specfit"
+    # ratio: each cycle maximises its own N / T (docs/method.md); rate: it maximises the surplus
+    # N - lambda * T at lambda = the decode's recent throughput, which maximises long-run tokens per
+    # second (renewal-reward); the first cycle, with no throughput yet, maximises the ratio
+    objective: str = "ratio"
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"selector.objective={self.objective!r} must be one of {', '.join(OBJECTIVES)}")
 
 
 class SpecFitSelector(CostAwareSelector):
     name = "specfit"
     Config = SpecFitSelectorConfig
 
+    def __init__(self, *args: Any, objective: str = "ratio", **kwargs: Any) -> None:
+        if objective not in OBJECTIVES:
+            raise ConfigError(f"selector.objective={objective!r} must be one of {', '.join(OBJECTIVES)}")
+        super().__init__(*args, **kwargs)
+        self.objective = objective
+
+    def surplus_rate(self) -> float | None:
+        return self.rate_tracker.rate if self.objective == "rate" else None
+
     def choose(self, problem: SearchProblem, allowed: np.ndarray) -> np.ndarray:
+        rate = self.surplus_rate()
+        if rate is not None:
+            return solve_surplus(problem, rate, allowed).mask
         return solve(problem, allowed).mask
