@@ -14,6 +14,7 @@ setup (:mod:`specfit.core.setup_state`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -27,6 +28,11 @@ from specfit.interfaces import Selection, SelectionContext, SelectorBase, Select
 from specfit.plugins.acceptance.calibrated import CalibratedAcceptance  # noqa: F401 - its earlier home
 
 
+RETIME_EVERY = 32
+"""While drafting wins, one cycle in this many (at most gate_max_backoff) is a plain pass that
+re-times the alternative."""
+
+
 class DraftGate:
     """The draft-stop rule at level 0: draft in a cycle only while drafting pays.
 
@@ -34,17 +40,23 @@ class DraftGate:
     and their seconds, and plain passes (root only, no drafting), with their seconds. After each
     drafted cycle the gate compares tokens per second drafting with passes per second plain; while
     drafting loses, the cycles that follow skip drafting and verify the root alone (an
-    autoregressive step), and the gate probes again after 1, 2, 4, ... ``max_backoff`` skipped
-    cycles. Committed tokens are always the measured ones, so an overconfident acceptance
-    estimate cannot keep a losing speculation going; seconds are measured or predicted (see
-    :meth:`CostAwareSelector.observe_time`).
+    autoregressive step), and the gate probes again after 1, 2, 4, ... skipped cycles, up to
+    ``max_backoff``, but no longer than the probes' cost calls for: a losing probe gives up what
+    plain passes would have committed in its time less what it committed (decayed means), and the
+    gate skips just enough cycles between probes to keep that within ``probe_budget`` of the
+    decode's tokens. A probe that barely loses is cheap and repeated soon; one that loses a whole
+    pass waits 1 / probe_budget cycles. Committed tokens are always the measured ones, so an
+    overconfident acceptance estimate cannot keep a losing speculation going; seconds are
+    measured or predicted (see :meth:`CostAwareSelector.observe_time`).
     """
 
-    def __init__(self, max_backoff: int = 32, decay: float = 0.7) -> None:
+    def __init__(self, max_backoff: int = 256, decay: float = 0.7, probe_budget: float = 0.01) -> None:
         if max_backoff < 1:
             raise ConfigError(f"selector.gate_max_backoff={max_backoff} must be >= 1")
-        self.max_backoff, self.decay = max_backoff, decay
-        self.spec_tokens = self.spec_seconds = self.plain_passes = self.plain_seconds = 0.0
+        if not 0.0 < probe_budget <= 1.0:
+            raise ConfigError(f"selector.gate_probe_budget={probe_budget} must be in (0, 1]")
+        self.max_backoff, self.decay, self.probe_budget = max_backoff, decay, probe_budget
+        self.spec_tokens = self.spec_seconds = self.spec_cycles = self.plain_passes = self.plain_seconds = 0.0
         self.backoff, self.skip_left = 1, 0
 
     def should_draft(self) -> bool:
@@ -62,14 +74,23 @@ class DraftGate:
         """A drafted cycle committed ``committed`` tokens in ``seconds``; decide the next cycles."""
         self.spec_tokens = self.decay * self.spec_tokens + committed
         self.spec_seconds = self.decay * self.spec_seconds + seconds
+        self.spec_cycles = self.decay * self.spec_cycles + 1.0
         # cross-multiplied: tokens/s drafting >= passes/s plain (a cost model of zeros never gates)
         if self.spec_tokens * self.plain_seconds >= self.plain_passes * self.spec_seconds:
             self.backoff, self.skip_left = 1, 0
         else:
-            self.skip_left = self.backoff
+            self.skip_left = min(self.backoff, self._affordable_skip())
             self.backoff = min(2 * self.backoff, self.max_backoff)
 
-    STATE = ("spec_tokens", "spec_seconds", "plain_passes", "plain_seconds", "backoff", "skip_left")
+    def _affordable_skip(self) -> int:
+        """Skipped cycles per probe that keep the losing probes' cost within ``probe_budget``; a
+        probe loses (its seconds x plain passes per second) - (its tokens), in tokens."""
+        if self.plain_seconds <= 0.0:  # plain passes cost nothing: any probe loses all it spends
+            return self.max_backoff
+        loss = (self.spec_seconds * self.plain_passes / self.plain_seconds - self.spec_tokens) / self.spec_cycles
+        return int(min(max(math.ceil(loss / self.probe_budget), 1), self.max_backoff))
+
+    STATE = ("spec_tokens", "spec_seconds", "spec_cycles", "plain_passes", "plain_seconds", "backoff", "skip_left")
 
     def state(self) -> dict[str, float]:
         """The decayed streams and the back-off: a new engine of this setup starts where this one is."""
@@ -78,10 +99,14 @@ class DraftGate:
     def load_state(self, state: dict[str, Any]) -> None:
         """Values that are not finite numbers >= 0 (a damaged file) leave the gate as it is."""
         values = {k: state.get(k) for k in self.STATE}
+        if values["spec_cycles"] is None and isinstance(values["spec_tokens"], (int, float)):
+            # saved before the gate counted its drafted cycles: each committed >= 1 token, so this
+            # is at most the true count (a probe's loss per cycle is not underestimated)
+            values["spec_cycles"] = max(min(float(values["spec_tokens"]), 1.0 / (1.0 - self.decay)), 1.0)
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) and v >= 0
                    for v in values.values()):
             return
-        for k in ("spec_tokens", "spec_seconds", "plain_passes", "plain_seconds"):
+        for k in ("spec_tokens", "spec_seconds", "spec_cycles", "plain_passes", "plain_seconds"):
             setattr(self, k, float(values[k]))
         self.backoff = int(min(max(values["backoff"], 1), self.max_backoff))
         self.skip_left = int(min(values["skip_left"], self.max_backoff))
@@ -99,9 +124,11 @@ class CostAwareSelectorConfig(SelectorConfig):
     # (modelled: decisions then depend on no clock, so a replay of a trace reproduces them exactly)
     draft_time: str = "measured"
     # skip drafting (verify the root alone) while drafted cycles commit fewer tokens per second than
-    # plain passes would; probe again after up to gate_max_backoff skipped cycles
+    # plain passes would; probe again after up to gate_max_backoff skipped cycles, and no more often
+    # than keeps the losing probes' cost within gate_probe_budget of the decode's tokens
     draft_gate: bool = True
-    gate_max_backoff: int = 32
+    gate_max_backoff: int = 256
+    gate_probe_budget: float = 0.01
 
 
 class CostAwareSelector(SelectorBase):
@@ -111,13 +138,13 @@ class CostAwareSelector(SelectorBase):
     requires = ("cost_model", "predictor")  # the engine checks these are configured
 
     def __init__(self, acceptance: str = "path_prob", early_stop: bool = True, draft_time: str = "measured",
-                 draft_gate: bool = True, gate_max_backoff: int = 32) -> None:
+                 draft_gate: bool = True, gate_max_backoff: int = 256, gate_probe_budget: float = 0.01) -> None:
         if draft_time not in ("measured", "modelled"):
             raise ConfigError(f"selector.draft_time={draft_time!r} must be measured or modelled")
         self.acceptance, self.early_stop, self.draft_time = acceptance, early_stop, draft_time
         self.estimator = estimator_named(acceptance, key="selector.acceptance")
         self.acceptance_score = AcceptanceScore(estimator=self.estimator.name)
-        self.gate = DraftGate(gate_max_backoff) if draft_gate else None
+        self.gate = DraftGate(gate_max_backoff, probe_budget=gate_probe_budget) if draft_gate else None
         self._drafted_since_plain = 0  # drafted cycles since a plain pass was last timed
         self.keeper: Any = None  # set by specfit.core.setup_state: saves what the gate and estimator learned
         self._estimates: np.ndarray | None = None  # the last selection's a_v, scored once the outcome is known
@@ -242,9 +269,9 @@ class CostAwareSelector(SelectorBase):
         if self.draft_time == "measured":
             # A plain pass timed long ago (under other load, or in an earlier run: the gate's state
             # persists per setup) must not decide for ever: while drafting wins, one cycle in
-            # gate_max_backoff verifies the root alone and re-times the alternative.
+            # min(gate_max_backoff, RETIME_EVERY) verifies the root alone and re-times the alternative.
             self._drafted_since_plain += 1
-            if self._drafted_since_plain >= self.gate.max_backoff and self.gate.skip_left == 0:
+            if self._drafted_since_plain >= min(self.gate.max_backoff, RETIME_EVERY) and self.gate.skip_left == 0:
                 self.gate.skip_left = 1
                 self._drafted_since_plain = 0
 

@@ -224,6 +224,43 @@ def test_draft_gate_compares_tokens_per_second_drafting_with_plain_passes():
     assert not gate.should_draft() and gate.should_draft()  # skip one cycle, then probe
     with pytest.raises(ConfigError, match="gate_max_backoff"):
         DraftGate(max_backoff=0)
+    with pytest.raises(ConfigError, match="gate_probe_budget"):
+        DraftGate(probe_budget=0.0)
+
+
+def _losing_gate(budget: float, committed: int, seconds: float):
+    """A gate that has lost every probe so far (a plain pass: 10 ms, one token), its backoff run up."""
+    from specfit.core.selection import DraftGate
+
+    gate = DraftGate(max_backoff=256, probe_budget=budget)
+    gate.plain(0.010)
+    skips = []
+    for _ in range(12):
+        gate.speculated(committed=committed, seconds=seconds)
+        skips.append(gate.skip_left)
+        gate.skip_left = 0
+    return skips
+
+
+def test_draft_gate_spaces_losing_probes_by_what_they_cost():
+    """Between losing probes the backoff doubles, but only as far as keeping the probes' cost within
+    gate_probe_budget of the tokens needs: a probe that gives up a whole pass (2 passes' time for one
+    token) waits 1 / budget cycles, one that gives up a tenth of a token ten times fewer."""
+    assert _losing_gate(0.01, committed=1, seconds=0.020)[-1] == 100  # loss 1 token a probe
+    assert _losing_gate(0.01, committed=1, seconds=0.011)[-1] == 10  # loss 0.1 token
+    assert _losing_gate(0.02, committed=1, seconds=0.020)[-1] == 50
+    assert _losing_gate(0.01, committed=1, seconds=1.0)[:5] == [1, 2, 4, 8, 16]  # the doubling still leads
+    assert _losing_gate(0.01, committed=1, seconds=1.0)[-1] == 256  # ... up to gate_max_backoff
+
+
+def test_draft_gate_state_saved_before_it_counted_cycles_still_loads():
+    from specfit.core.selection import DraftGate
+
+    gate = DraftGate()
+    old = {"spec_tokens": 2.5, "spec_seconds": 0.05, "plain_passes": 3.0, "plain_seconds": 0.03,
+           "backoff": 8, "skip_left": 3}
+    gate.load_state(old)
+    assert gate.skip_left == 3 and gate.backoff == 8 and 1.0 <= gate.spec_cycles <= 2.5
 
 
 def _select_once(selector: SpecFitSelector, draft_seconds: float) -> float:
