@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import numpy as np
 
 from specfit.core import guard
+from specfit.core.context import TokenContext
 from specfit.core.tree import ROOT, DraftTree, greedy_outcomes
 from specfit.errors import ConfigError, PluginError
 
@@ -148,9 +149,12 @@ def trace_trees(trace: Trace) -> Iterator[SettledTree]:
     accepted path had the recording's candidates all been verified, with the target's token after
     it (``greedy_next``), so :func:`settled` knows every outcome the target's argmaxes decide."""
     for seq in trace.sequences:
+        context = TokenContext([*seq.prompt.tolist(), int(seq.output[0])])
         for pos in range(len(seq)):
+            if pos:
+                context.extend([int(seq.output[pos])])
             rec = seq.position(pos)
-            tree = DraftTree(root_token=int(rec.root))
+            tree = DraftTree(root_token=int(rec.root), context=context.view())
             for _ in rec.draft(tree):  # with the recorded entropies and root probability
                 pass
             path = rec.accepted_path()

@@ -18,6 +18,7 @@ import torch
 from specfit.core import guard
 from specfit.core.acceptance import Acceptance, walk
 from specfit.core.calibration import waited_copy_seconds
+from specfit.core.context import TokenContext
 from specfit.core.sampling import Sampler
 from specfit.core.stats import CycleRecord, prediction_overlap
 from specfit.core.tree import DraftTree, VerifyBlock, verify_block
@@ -132,6 +133,9 @@ class Cycle:
     # the target's probability of the next cycle's root token (DraftTree.root_prob): the engine sets
     # it after the prefill, a replay at each sequence's start, and every cycle for the next one
     root_prob: float | None = None
+    # the sequence so far, the root included (specfit.core.context): set at each sequence's start
+    # by the engine or the replay, grown here by every cycle's committed tokens
+    context: TokenContext | None = None
 
     def run(self, root: int, sampler: Sampler, max_depth: int, max_nodes: int, room: int | None = None,
             max_commit: int | None = None) -> tuple[CycleRecord, list[int]]:
@@ -142,7 +146,8 @@ class Cycle:
         """
         verifier, selector, predictor, spec = self.verifier, self.selector, self.predictor, self.spec
         t0 = verifier.now()
-        tree = DraftTree(root_token=root, root_prob=self.root_prob)
+        tree = DraftTree(root_token=root, root_prob=self.root_prob,
+                         context=self.context.view() if self.context is not None else None)
         selection = Selection(nodes=[])
         select_seconds = overhead = 0.0  # overhead: predictor and selector time
         level_seconds: list[float] = []
@@ -234,6 +239,8 @@ class Cycle:
             trace = CycleTrace(tree, block, verifier.argmax(), verdict.routing, path, acc.bonus, level_seconds, record)
             for observer in self.observers:
                 observer.on_cycle(trace)
+        if self.context is not None:
+            self.context.extend(tokens)
         return record, tokens
 
     def _truncate(self, tokens: list[int], max_commit: int | None) -> list[int]:

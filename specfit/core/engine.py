@@ -19,6 +19,7 @@ from torch import nn
 
 from specfit.core import guard
 from specfit.core.calibration import pipelined
+from specfit.core.context import TokenContext
 from specfit.core.copy_engines import CopyEngine, LinkSettings, make_copy_engine
 from specfit.core.cycle import Cycle, CycleObserver, CycleTimes, Verdict, check_parts, target_prob
 from specfit.core.expert_store import HostExpertStore
@@ -184,6 +185,7 @@ class Engine:
             prefill = self.target.prefill(ids)
             out.append(sampler.token(prefill.logits[-1], 0))
             cycle.root_prob = target_prob(prefill.logits[-1], out[-1], sampler)  # the first root's, for estimators
+            cycle.context = TokenContext([*ids, out[-1]])
             guard.call("drafter", self.drafter, "start", ids, prefill.features, out[-1])
             if predictor is not None:
                 guard.call("predictor", predictor, "observe", ids, prefill.routing)  # the prompt's routing: a free warm start

@@ -6,8 +6,8 @@ target has not processed yet; ``parent == -1`` marks a child of the root.
 
 Besides the nodes, a tree may carry what acceptance estimators learn from and that only the
 drafter or the verifier knows: the draft head's entropy at each node it expanded (and at the
-root), and the target's probability of the root token. Both are optional: NaN / None when the
-drafter or verifier does not provide them.
+root), the target's probability of the root token, and the sequence the tree continues. All are
+optional: NaN / None when the drafter or verifier does not provide them.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
+
+from specfit.core.context import ContextView, context_continuations
 
 ROOT = -1
 
@@ -45,6 +47,10 @@ class DraftTree:
     # bonus, or the prefill's first token): greedy, the softmax of its argmax; sampling, the sampled
     # token's under the processed distribution. None: the verifier did not tell.
     root_prob: float | None = None
+    # The sequence the tree continues (prompt and committed tokens, a specfit.core.context.ContextView),
+    # for estimators that look drafted tokens up in it (:meth:`continuations`). None: not told.
+    context: ContextView | None = None
+    _tails: list = field(default_factory=list, repr=False, compare=False)  # continuations' cache
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -126,6 +132,15 @@ class DraftTree:
         parents = np.asarray(self.parents[start:stop], dtype=np.int64)
         known = np.append(self.node_entropy().astype(np.float64), self.root_entropy)  # the last: the root
         return known[np.where(parents == ROOT, len(self.tokens), parents)]
+
+    def continuations(self, start: int = 0, stop: int | None = None) -> np.ndarray | None:
+        """int64 [stop - start]: for nodes ``start:stop``, the token that followed the last earlier
+        occurrence, in the context, of the tokens just before the node (-1: none did); None when
+        the tree has no context (:func:`specfit.core.context.context_continuations`)."""
+        if self.context is None:
+            return None
+        stop = len(self.tokens) if stop is None else stop
+        return context_continuations(self.context, self.tokens, self.parents, self._tails, start, stop)
 
     def path_probs(self) -> np.ndarray:
         return np.exp(np.asarray(self.path_log_probs, dtype=np.float64))

@@ -30,6 +30,7 @@ import numpy as np
 
 from specfit.core import guard
 from specfit.core.calibration import CostConstants, load_constants
+from specfit.core.context import TokenContext
 from specfit.core.cycle import Cycle, CycleTimes, Verdict, check_parts
 from specfit.core.offload import Round, admission_rounds, bind_cache, cache_preload, cache_resident
 from specfit.core.prefetch import ModelledSink
@@ -297,6 +298,7 @@ class TraceVerifier:
                 self._at(index, seq, pos)
                 if pos == 0:  # the prefill's first token; later roots come from token_prob
                     cycle.root_prob = self.rec.known_root_prob
+                    cycle.context = TokenContext([*seq.prompt.tolist(), int(output[0])])
                 if self.sink is not None:
                     self.sink.begin_cycle()
                 sampler.position = pos + 1

@@ -16,7 +16,12 @@ Features of node v, all known when the selector runs (before verification):
   (``tree.root_prob``, from the last verification): a target sure of its last token is in
   predictable text. Unknown (a trace of format 1): the running mean of the values seen;
 - ``recent``: logit of the recent acceptance rate of top-ranked children (an exponential average
-  over cycles, decay ``recent_decay``), which follows how predictable the current text is.
+  over cycles, decay ``recent_decay``), which follows how predictable the current text is;
+- ``context_match`` / ``context_other``: 1 when the tokens before v (the context, then v's path)
+  last occurred earlier in the sequence and were followed by v's token / by another token
+  (:mod:`specfit.core.context`: the longest of a trigram and a bigram that occurred). Where text
+  repeats, this separates nodes the target accepts from those it does not far better than draft
+  probabilities do. Both 0 where the tree carries no context.
 
 The model starts at w0 = (logit_q: 1, the rest 0): a_v then equals q(v) and the path product is
 P_v, so an untrained ``learned`` estimator is ``path_prob``. Learning is a Laplace-approximate
@@ -42,7 +47,7 @@ from specfit.interfaces import AcceptanceConfig, AcceptanceEstimatorBase, DraftT
 from specfit.validation import integer, number
 
 FEATURES = ("bias", "logit_q", "top_sibling", "log_rank", "log_depth", "parent_path", "parent_confidence",
-            "parent_entropy", "root_prob", "recent")
+            "parent_entropy", "root_prob", "recent", "context_match", "context_other")
 CLIP = 1e-6
 
 
@@ -86,6 +91,11 @@ def features(tree: DraftTree, recent: float, root_logit: float, start: int = 0, 
     x[:, 7] = np.where(np.isnan(entropy), -best, entropy)  # unknown: the min-entropy, its lower bound
     x[:, 8] = root_logit
     x[:, 9] = float(_logit(recent))
+    after = tree.continuations(start, stop)
+    if after is not None:  # no context: both 0, as for a node whose n-grams never occurred
+        tokens = np.asarray(tree.tokens[start:stop], dtype=np.int64)
+        x[:, 10] = after == tokens
+        x[:, 11] = (after >= 0) & (after != tokens)
     return x
 
 

@@ -1,0 +1,97 @@
+"""The sequence so far, indexed by n-gram: which token followed the last earlier occurrence of the
+tokens that precede a drafted node.
+
+Where the text repeats itself (a target that loops, code, a quoted prompt), the token after an
+n-gram's last occurrence is very likely the next one: the signal prompt-lookup decoding and vLLM's
+``ngram`` drafter draft from. Here it tells acceptance estimators which drafted nodes the target
+will accept. Measured on the demo pair's held-out traces (nodes whose parent the target accepted):
+on prose, nodes of draft probability 0.05-0.2 were accepted 26-34% of the time, 91-93% when the
+node's token was the trigram's continuation and 14-18% when another token was; even below 0.05,
+78% on a match against 2%. On GSM matches are rarer and weaker (63-76% against 12-34%).
+
+:class:`TokenContext` grows with the committed tokens (append only); :meth:`TokenContext.view`
+fixes its length, so a tree's view answers as the context stood when the tree was drafted, however
+far the decode has gone since. :func:`context_continuations` gives each drafted node's continuation.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import Iterable, Sequence
+
+import numpy as np
+
+ORDERS = (3, 2)
+"""n-gram lengths looked up, longest first: a node's continuation is that of the longest one seen."""
+
+
+class TokenContext:
+    """The prompt and the committed tokens, with the positions that follow every n-gram of ORDERS."""
+
+    def __init__(self, tokens: Iterable[int] = ()) -> None:
+        self.tokens: list[int] = []
+        self._after: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions of the token after it
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        toks, after = self.tokens, self._after
+        for t in tokens:
+            k = len(toks)
+            for n in ORDERS:
+                if k >= n:
+                    after.setdefault(tuple(toks[k - n:k]), []).append(k)
+            toks.append(int(t))
+
+    def view(self) -> ContextView:
+        """The context as it stands now; later tokens do not change what the view answers."""
+        return ContextView(self, len(self.tokens))
+
+
+class ContextView:
+    """The first ``length`` tokens of a :class:`TokenContext`."""
+
+    __slots__ = ("context", "length")
+
+    def __init__(self, context: TokenContext, length: int) -> None:
+        self.context, self.length = context, length
+
+    def tail(self, n: int) -> tuple[int, ...]:
+        return tuple(self.context.tokens[max(self.length - n, 0):self.length])
+
+    def continuation(self, gram: tuple[int, ...]) -> int | None:
+        """The token after the last occurrence of ``gram`` that ends before the view's last token
+        (an n-gram ending at the view's end has no continuation yet), or None."""
+        positions = self.context._after.get(gram)
+        if not positions:
+            return None
+        i = bisect_left(positions, self.length) - 1  # continuations inside the view
+        return self.context.tokens[positions[i]] if i >= 0 else None
+
+
+def context_continuations(view: ContextView, tokens: Sequence[int], parents: Sequence[int],
+                          tails: list[tuple[int, ...]], start: int, stop: int) -> np.ndarray:
+    """int64 [stop - start]: for drafted nodes ``start:stop``, the token that followed the last
+    earlier occurrence of the longest n-gram (ORDERS) ending at the node's parent (the context,
+    then the path through the tree); -1 where none occurred.
+
+    ``tails`` caches, per node, the last max(ORDERS) tokens of context + path including the node;
+    it is grown in place to ``stop`` (nodes come in creation order, parents first)."""
+    width = max(ORDERS)
+    root = view.tail(width)
+    for v in range(len(tails), stop):
+        p = parents[v]
+        tails.append(((root if p < 0 else tails[p]) + (tokens[v],))[-width:])
+    out = np.full(stop - start, -1, dtype=np.int64)
+    for i, v in enumerate(range(start, stop)):
+        p = parents[v]
+        before = root if p < 0 else tails[p]
+        for n in ORDERS:
+            if len(before) >= n:
+                found = view.continuation(before[-n:])
+                if found is not None:
+                    out[i] = found
+                    break
+    return out
