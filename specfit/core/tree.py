@@ -133,10 +133,10 @@ class DraftTree:
         known = np.append(self.node_entropy().astype(np.float64), self.root_entropy)  # the last: the root
         return known[np.where(parents == ROOT, len(self.tokens), parents)]
 
-    def continuations(self, start: int = 0, stop: int | None = None) -> np.ndarray | None:
-        """int64 [stop - start]: for nodes ``start:stop``, the token that followed the last earlier
-        occurrence, in the context, of the tokens just before the node (-1: none did); None when
-        the tree has no context (:func:`specfit.core.context.context_continuations`)."""
+    def continuations(self, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+        """For nodes ``start:stop``: the token that followed the last earlier occurrence, in the
+        context, of the longest n-gram just before the node (-1: none did) and that n-gram's length
+        (0); None when the tree has no context (:func:`specfit.core.context.context_continuations`)."""
         if self.context is None:
             return None
         stop = len(self.tokens) if stop is None else stop

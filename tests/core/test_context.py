@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from specfit.core.context import TokenContext, context_continuations
 from specfit.core.tree import ROOT, DraftTree
@@ -45,8 +46,9 @@ def test_tree_nodes_look_up_the_tokens_before_them_through_their_path():
     tree = DraftTree(root_token=6, context=context.view())
     tree.add_level([ROOT, ROOT], [7, 1], [-0.1, -0.2])  # after (0, 5, 6): unseen; (5, 6) -> 7
     tree.add_level([0, 1], [8, 2], [-0.1, -0.1])  # after (5, 6, 7) -> 8; after (5, 6, 1): nothing
-    assert tree.continuations().tolist() == [7, 7, 8, -1]
-    assert tree.continuations(2, 4).tolist() == [8, -1]  # a level asked for on its own agrees
+    after, length = tree.continuations()
+    assert after.tolist() == [7, 7, 8, -1] and length.tolist() == [2, 2, 3, 0]
+    assert tree.continuations(2, 4)[0].tolist() == [8, -1]  # a level asked for on its own agrees
     assert DraftTree(root_token=6).continuations() is None
 
 
@@ -54,10 +56,14 @@ def test_continuations_prefer_the_longer_gram():
     context = TokenContext([1, 2, 3, 4, 9, 2, 3, 5, 8, 2, 3])  # (2, 3) -> 5 last; (9, 2, 3) -> 5; (1, 2, 3) -> 4
     tails: list[tuple[int, ...]] = []
     view = context.view()
-    out = context_continuations(view, [0], [ROOT], tails, 0, 1)
-    assert out.tolist() == [5]  # (8, 2, 3) unseen: the bigram (2, 3)'s last continuation
+    after, length = context_continuations(view, [0], [ROOT], tails, 0, 1)
+    assert after.tolist() == [5] and length.tolist() == [2]  # (8, 2, 3) unseen: the bigram (2, 3)'s
     context2 = TokenContext([1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3])
-    assert context_continuations(context2.view(), [0], [ROOT], [], 0, 1).tolist() == [4]  # trigram wins
+    after, length = context_continuations(context2.view(), [0], [ROOT], [], 0, 1)
+    assert after.tolist() == [4] and length.tolist() == [3]  # the trigram (1, 2, 3) wins
+    loop = TokenContext([4, 5, 6, 7, 8, 9, 4, 5, 6, 7, 8, 9, 4, 5, 6, 7, 8])
+    after, length = context_continuations(loop.view(), [9], [ROOT], [], 0, 1)
+    assert after.tolist() == [9] and length.tolist() == [8]  # a loop: the longest order indexed
 
 
 def test_learned_features_mark_matches_and_other_continuations():
@@ -67,6 +73,8 @@ def test_learned_features_mark_matches_and_other_continuations():
     x = features(tree, recent=0.5, root_logit=0.0)
     match, other = FEATURES.index("context_match"), FEATURES.index("context_other")
     assert x[:, match].tolist() == [1.0, 0.0] and x[:, other].tolist() == [0.0, 1.0]
+    match_len, other_len = FEATURES.index("context_match_len"), FEATURES.index("context_other_len")
+    assert x[:, match_len] == pytest.approx([np.log(3), 0.0]) and x[:, other_len] == pytest.approx([0.0, np.log(3)])
     bare = DraftTree(root_token=12)
     bare.add_level([ROOT], [13], [-0.5])
     assert features(bare, 0.5, 0.0)[0, match] == 0 and features(bare, 0.5, 0.0)[0, other] == 0

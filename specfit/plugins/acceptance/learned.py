@@ -18,10 +18,11 @@ Features of node v, all known when the selector runs (before verification):
 - ``recent``: logit of the recent acceptance rate of top-ranked children (an exponential average
   over cycles, decay ``recent_decay``), which follows how predictable the current text is;
 - ``context_match`` / ``context_other``: 1 when the tokens before v (the context, then v's path)
-  last occurred earlier in the sequence and were followed by v's token / by another token
-  (:mod:`specfit.core.context`: the longest of a trigram and a bigram that occurred). Where text
-  repeats, this separates nodes the target accepts from those it does not far better than draft
-  probabilities do. Both 0 where the tree carries no context.
+  occurred earlier in the sequence and were followed by v's token / by another token (the longest
+  such n-gram, :mod:`specfit.core.context`), and ``context_match_len`` / ``context_other_len``:
+  the same times the log of that n-gram's length, since a longer match repeats more surely. Where
+  text repeats, these separate nodes the target accepts from those it does not far better than
+  draft probabilities do. All 0 where the tree carries no context.
 
 The model starts at w0 = (logit_q: 1, the rest 0): a_v then equals q(v) and the path product is
 P_v, so an untrained ``learned`` estimator is ``path_prob``. Learning is a Laplace-approximate
@@ -47,7 +48,8 @@ from specfit.interfaces import AcceptanceConfig, AcceptanceEstimatorBase, DraftT
 from specfit.validation import integer, number
 
 FEATURES = ("bias", "logit_q", "top_sibling", "log_rank", "log_depth", "parent_path", "parent_confidence",
-            "parent_entropy", "root_prob", "recent", "context_match", "context_other")
+            "parent_entropy", "root_prob", "recent", "context_match", "context_other", "context_match_len",
+            "context_other_len")
 CLIP = 1e-6
 
 
@@ -91,12 +93,48 @@ def features(tree: DraftTree, recent: float, root_logit: float, start: int = 0, 
     x[:, 7] = np.where(np.isnan(entropy), -best, entropy)  # unknown: the min-entropy, its lower bound
     x[:, 8] = root_logit
     x[:, 9] = float(_logit(recent))
-    after = tree.continuations(start, stop)
-    if after is not None:  # no context: both 0, as for a node whose n-grams never occurred
+    found = tree.continuations(start, stop)
+    if found is not None:  # no context: all 0, as for a node whose n-grams never occurred
+        after, length = found
         tokens = np.asarray(tree.tokens[start:stop], dtype=np.int64)
         x[:, 10] = after == tokens
         x[:, 11] = (after >= 0) & (after != tokens)
+        log_length = np.log(np.maximum(length, 1))
+        x[:, 12] = x[:, 10] * log_length
+        x[:, 13] = x[:, 11] * log_length
     return x
+
+
+def map_weights(x: np.ndarray, y: np.ndarray, w0: np.ndarray, prior: np.ndarray, steps: int) -> np.ndarray:
+    """argmin over w of 0.5 (w - w0)' prior (w - w0) + sum of logistic losses of (x w, y): Newton
+    steps from w0, each halved until the objective falls enough (Armijo). A full Newton step can
+    overshoot and diverge where features nearly separate the outcomes (n-gram matches that are
+    almost always accepted); the halving keeps every step a descent."""
+
+    def objective(w: np.ndarray) -> float:
+        z = x @ w
+        return 0.5 * float((w - w0) @ prior @ (w - w0)) + float(np.sum(np.logaddexp(0.0, z) - y * z))
+
+    w, value = w0.copy(), objective(w0)
+    for _ in range(steps):
+        p = _sigmoid(x @ w)
+        gradient = prior @ (w - w0) + x.T @ (p - y)
+        hessian = prior + (x * (p * (1 - p))[:, None]).T @ x
+        step = np.linalg.solve(hessian, gradient)
+        slope = float(gradient @ step)
+        t = 1.0
+        while t > 1e-6:
+            candidate = w - t * step
+            new_value = objective(candidate)
+            if new_value <= value - 1e-4 * t * slope:
+                break
+            t *= 0.5
+        else:
+            break  # no descent left: converged to float precision
+        w, value = candidate, new_value
+        if np.max(np.abs(t * step)) < 1e-9:
+            break
+    return w
 
 
 def initial_weights() -> np.ndarray:
@@ -198,12 +236,7 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
         """One Bayesian step: the MAP weights under a Gaussian prior at the current ones."""
         self._cache = None
         prior = self.forget * self.precision + (1 - self.forget) * self.prior_strength * np.eye(len(FEATURES))
-        w0, w = self.weights, self.weights.copy()
-        for _ in range(self.newton_steps):
-            p = _sigmoid(x @ w)
-            gradient = prior @ (w - w0) + x.T @ (p - y)
-            hessian = prior + (x * (p * (1 - p))[:, None]).T @ x
-            w = w - np.linalg.solve(hessian, gradient)
+        w = map_weights(x, y, self.weights, prior, self.newton_steps)
         p = _sigmoid(x @ w)
         self.weights = w
         self.precision = prior + (x * (p * (1 - p))[:, None]).T @ x
@@ -232,15 +265,7 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
     def fit(self, x: np.ndarray, y: np.ndarray, steps: int = 25) -> None:
         """Offline: the MAP weights of all samples at once under the prior at w0 (Newton to convergence)."""
         prior = self.prior_strength * np.eye(len(FEATURES))
-        w0 = initial_weights()
-        w = w0.copy()
-        for _ in range(steps):
-            p = _sigmoid(x @ w)
-            hessian = prior + (x * (p * (1 - p))[:, None]).T @ x
-            step = np.linalg.solve(hessian, prior @ (w - w0) + x.T @ (p - y))
-            w = w - step
-            if np.max(np.abs(step)) < 1e-9:
-                break
+        w = map_weights(x, y, initial_weights(), prior, steps)
         p = _sigmoid(x @ w)
         self.weights, self.precision = w, prior + (x * (p * (1 - p))[:, None]).T @ x
         self._cache = None
