@@ -101,9 +101,10 @@ def test_numerics_refuses_an_unknown_method():
         numerics.main(["--methods", "ar,medusa"])
 
 
-def test_gpu_check_script_parses():
+@pytest.mark.parametrize("script", ["gpu_check.sh", "estimator_eval.sh"])
+def test_measurement_scripts_parse(script):
     bash = shutil.which("bash")
     if bash is None:
         pytest.skip("no bash")
-    done = subprocess.run([bash, "-n", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True)
+    done = subprocess.run([bash, "-n", str(ROOT / "scripts" / script)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 15's estimator measurements: record held-out traces of both demo workloads (seed 0 to fit,
+# seed 1 held out) unless DIR already has them, fit the learned estimator, and replay the held-out
+# traces with GPU-like and recorded costs, with and without the draft prefetch.
+#   scripts/estimator_eval.sh [DIR]      (default /tmp/specfit-estimators; SPECFIT_HOME=DIR/home)
+# Figures: docs/results.md, "Acceptance from the sequence itself". Takes 5-10 minutes on 2 cores
+# (recording included).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+D=${1:-/tmp/specfit-estimators}; mkdir -p "$D"
+export SPECFIT_HOME=$D/home
+S=.venv/bin/specfit
+GPU="replay.cost_profile=gpu-like replay.draft_time=modelled"
+for w in prose gsm; do
+  for seed in 0 1; do
+    [ -f "$D/$w-$seed/meta.json" ] || $S record model=demo workload=$w workload.num_prompts=4 workload.seed=$seed \
+        max_new_tokens=96 cache.capacity=8 cache.copy=emulated trace.path="$D/$w-$seed" > "$D/record-$w-$seed.log" 2>&1
+  done
+  $S fit-acceptance trace.path="$D/$w-0" held_out=["$D/$w-1"] out_dir="$D/fit-$w" > "$D/fit-$w.log" 2>&1
+  FITTED="methods=[specfit_learned] acceptance=learned acceptance.state_file=$D/fit-$w/learned.json"
+  R="$S replay trace.path=$D/$w-1 cache.capacity=8"
+  $R methods=[ar,specfit,specfit_calibrated,specfit_learned] $GPU > "$D/gpu-$w.log" 2>&1
+  $R $FITTED $GPU > "$D/gpu-fitted-$w.log" 2>&1
+  $R methods=[specfit_learned] prefetch=draft $GPU > "$D/gpu-draft-$w.log" 2>&1
+  $R $FITTED prefetch=draft $GPU > "$D/gpu-draft-fitted-$w.log" 2>&1
+  $R methods=[ar,specfit,specfit_learned] > "$D/recorded-$w.log" 2>&1
+  $R $FITTED > "$D/recorded-fitted-$w.log" 2>&1
+  echo "== $w"
+  tail -7 "$D/fit-$w.log" | head -5
+  for f in gpu gpu-fitted gpu-draft gpu-draft-fitted recorded recorded-fitted; do
+    grep -E '^ *(ar|specfit|specfit_calibrated|specfit_learned|oracle) ' "$D/$f-$w.log" | sed "s/^/$f: /"
+  done
+done
