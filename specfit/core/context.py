@@ -64,6 +64,19 @@ class ContextView:
     def tail(self, n: int) -> tuple[int, ...]:
         return tuple(self.context.tokens[max(self.length - n, 0):self.length])
 
+    def longest(self, before: tuple[int, ...], min_order: int = ORDERS[0]) -> tuple[int, int]:
+        """(the continuation, the n-gram's length) of the longest n-gram of ORDERS (at least
+        ``min_order`` long) ending ``before`` that occurred in the view; (-1, 0) if none did."""
+        found, length = -1, 0
+        for n in ORDERS:  # shortest first: an n-gram never seen has no longer one seen either
+            if n < min_order:
+                continue
+            after = self.continuation(before[-n:]) if len(before) >= n else None
+            if after is None:
+                break
+            found, length = after, n
+        return found, length
+
     def continuation(self, gram: tuple[int, ...]) -> int | None:
         """The token after the last occurrence of ``gram`` that ends before the view's last token
         (an n-gram ending at the view's end has no continuation yet), or None."""
@@ -91,10 +104,5 @@ def context_continuations(view: ContextView, tokens: Sequence[int], parents: Seq
     length = np.zeros(stop - start, dtype=np.int64)
     for i, v in enumerate(range(start, stop)):
         p = parents[v]
-        before = root if p < 0 else tails[p]
-        for n in ORDERS:  # shortest first: an n-gram never seen has no longer one seen either
-            found = view.continuation(before[-n:]) if len(before) >= n else None
-            if found is None:
-                break
-            after[i], length[i] = found, n
+        after[i], length[i] = view.longest(root if p < 0 else tails[p])
     return after, length
