@@ -512,12 +512,8 @@ def _solve_kernel(parents, accept, node_experts, root_experts, resident, wait, c
     n = parents.shape[0]
     n_layers = resident.shape[0]
     n_words = (resident.shape[1] + 63) >> 6
-    own, root, res = _expert_bitsets(node_experts, root_experts, resident, n_words)
-    arr, extra = _wait_bits(wait, n_words)
-
-    alive = _alive(parents, allowed)
-    depth = _node_depths(parents)
-    new = _topmost(own, root, res, arr, parents, alive, c_miss, c_hit)
+    own, root, res, arr, extra, alive, depth, new = _prepare(parents, node_experts, root_experts,
+                                                             resident, wait, allowed, c_miss, c_hit)
 
     best = np.zeros(n, dtype=np.bool_)
     best_n, best_t, best_size = _evaluate(best, accept, own, root, res, arr, extra, c0, c_tok,
@@ -586,11 +582,8 @@ def _surplus_kernel(parents, accept, node_experts, root_experts, resident, wait,
     n = parents.shape[0]
     n_layers = resident.shape[0]
     n_words = (resident.shape[1] + 63) >> 6
-    own, root, res = _expert_bitsets(node_experts, root_experts, resident, n_words)
-    arr, extra = _wait_bits(wait, n_words)
-    alive = _alive(parents, allowed)
-    depth = _node_depths(parents)
-    new = _topmost(own, root, res, arr, parents, alive, c_miss, c_hit)
+    own, root, res, arr, extra, alive, depth, new = _prepare(parents, node_experts, root_experts,
+                                                             resident, wait, allowed, c_miss, c_hit)
     node_ok = alive.copy()
     profit = np.zeros(n, dtype=np.float64)
     twice = np.zeros((n_layers, n_words), dtype=np.uint64)
@@ -633,6 +626,18 @@ def _maximise_at(lam, node_ok, parents, accept, new, res, arr, extra, c_tok, c_m
     cand, n_vert, n_arcs = _closure_cut(lam, node_ok, parents, accept, profit, gweight, grep,
                                         first, users, tie_rtol)
     return cand, n_ok, True, n_vert, n_arcs
+
+
+@njit(cache=True)
+def _prepare(parents, node_experts, root_experts, resident, wait, allowed, c_miss, c_hit):
+    """What every search starts from: the expert bitsets, the in-flight waits, the nodes that may
+    be chosen, their depths and each node's topmost items."""
+    n_words = (resident.shape[1] + 63) >> 6
+    own, root, res = _expert_bitsets(node_experts, root_experts, resident, n_words)
+    arr, extra = _wait_bits(wait, n_words)
+    alive = _alive(parents, allowed)
+    new = _topmost(own, root, res, arr, parents, alive, c_miss, c_hit)
+    return own, root, res, arr, extra, alive, _node_depths(parents), new
 
 
 @njit(cache=True)
