@@ -34,19 +34,24 @@ class TokenContext:
     def __init__(self, tokens: Iterable[int] = ()) -> None:
         self.tokens: list[int] = []
         self._after: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions of the token after it
+        self._indexed = 0  # tokens indexed so far: the index is built when first asked, not before
         self.extend(tokens)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def extend(self, tokens: Iterable[int]) -> None:
+        """Append tokens. Cheap: a decode whose parts never look anything up (a long prompt with
+        the path_prob estimator) pays no indexing."""
+        self.tokens.extend(int(t) for t in tokens)
+
+    def _index(self) -> None:
         toks, after = self.tokens, self._after
-        for t in tokens:
-            k = len(toks)
+        for k in range(self._indexed, len(toks)):
             for n in ORDERS:
                 if k >= n:
                     after.setdefault(tuple(toks[k - n:k]), []).append(k)
-            toks.append(int(t))
+        self._indexed = len(toks)
 
     def view(self) -> ContextView:
         """The context as it stands now; later tokens do not change what the view answers."""
@@ -80,11 +85,14 @@ class ContextView:
     def continuation(self, gram: tuple[int, ...]) -> int | None:
         """The token after the last occurrence of ``gram`` that ends before the view's last token
         (an n-gram ending at the view's end has no continuation yet), or None."""
-        positions = self.context._after.get(gram)
+        context = self.context
+        if context._indexed < len(context.tokens):
+            context._index()
+        positions = context._after.get(gram)
         if not positions:
             return None
         i = bisect_left(positions, self.length) - 1  # continuations inside the view
-        return self.context.tokens[positions[i]] if i >= 0 else None
+        return context.tokens[positions[i]] if i >= 0 else None
 
 
 def context_continuations(view: ContextView, tokens: Sequence[int], parents: Sequence[int],

@@ -78,3 +78,14 @@ def test_learned_features_mark_matches_and_other_continuations():
     bare = DraftTree(root_token=12)
     bare.add_level([ROOT], [13], [-0.5])
     assert features(bare, 0.5, 0.0)[0, match] == 0 and features(bare, 0.5, 0.0)[0, other] == 0
+
+
+def test_the_index_is_built_only_when_asked():
+    context = TokenContext(range(5000))  # a long prompt, read by nothing: no index
+    context.extend([1, 2, 3])
+    assert context._indexed == 0 and not context._after
+    view = context.view()
+    assert view.continuation((1, 2)) == 3
+    assert context._indexed == len(context)
+    context.extend([1, 2])  # indexed again only when looked up again
+    assert context.view().continuation((1, 2)) == 3 and context._indexed == len(context)
