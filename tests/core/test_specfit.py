@@ -410,3 +410,19 @@ def test_rate_objective_maximises_the_surplus_at_the_decodes_throughput():
     with pytest.raises(ConfigError, match="selector.objective"):
         specfit.compose(["model=tiny", "drafter=eagle3", "selector=specfit", "selector.objective=fastest",
                          "cost_model=union", "predictor=history"])
+
+
+def test_rate_objective_compiles_its_kernel_when_bound(monkeypatch):
+    """bind's warm-up pays the JIT compilation of the kernel the cycles will use: for objective=rate
+    that is solve_surplus too, not only solve (else the first cycle with a rate compiles it, and
+    its measured time feeds the rate and the gate)."""
+    import specfit.plugins.selectors.specfit as module
+
+    calls = []
+    real = module.solve_surplus
+    monkeypatch.setattr(module, "solve_surplus", lambda *a, **k: calls.append(a) or real(*a, **k))
+    SpecFitSelector(objective="rate", draft_gate=False)._warm_up()
+    assert calls
+    calls.clear()
+    SpecFitSelector(draft_gate=False)._warm_up()
+    assert not calls

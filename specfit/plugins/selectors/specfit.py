@@ -47,6 +47,14 @@ class SpecFitSelector(CostAwareSelector):
     def surplus_rate(self) -> float | None:
         return self.rate_tracker.rate if self.objective == "rate" else None
 
+    def _warm_up(self) -> None:
+        super()._warm_up()  # the ratio's kernel (the first cycle, with no rate yet)
+        if self.objective == "rate":  # and the surplus kernel every later cycle uses: compiled now too
+            from specfit.core.search.synthetic import paper_scale_problem
+
+            problem = paper_scale_problem(np.random.default_rng(0), n_nodes=8, layers=2, experts=8, top_k=2)
+            solve_surplus(problem, 1.0, np.ones(problem.n_nodes, dtype=bool))
+
     def choose(self, problem: SearchProblem, allowed: np.ndarray) -> np.ndarray:
         rate = self.surplus_rate()
         if rate is not None:
