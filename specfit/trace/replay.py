@@ -306,6 +306,8 @@ class TraceVerifier:
                                            max_commit=len(output) - pos - 1)
                 done.append(ReplayCycle(**vars(record), sequence=index, position=pos, diverged=self.diverged))
                 pos += len(tokens)
+                if self.diverged:  # it committed a token off the output; the next root is the output's
+                    cycle.context = TokenContext([*seq.prompt.tolist(), *output[:pos + 1].tolist()])
         return done
 
     def _at(self, index: int, seq: TraceSequence, pos: int) -> None:

@@ -331,3 +331,31 @@ def test_pipelined_rounds_hide_copies_behind_compute_as_the_live_runtime_schedul
     assert hidden_copy_seconds(held, copy_s=1.0, compute_s=0.5) == pytest.approx(0.0)
     # compute longer than the copies: all of the ahead copies' time is hidden
     assert hidden_copy_seconds(ahead, copy_s=0.25, compute_s=1.0) == pytest.approx(0.5)
+
+
+class RootOnlyWatcher(SelectorBase):
+    """Verifies the root alone every cycle, noting each tree's root and its context's last token."""
+
+    name = "root_only_watcher"
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []
+
+    def select(self, tree, ctx):
+        self.seen.append((tree.root_token, tree.context.tail(1)[0]))
+        return Selection(nodes=[], stop=True)
+
+
+def test_a_diverged_cycle_leaves_the_context_on_the_recorded_output(traces):
+    """A cycle whose bonus leaves the recorded output (tree-pass numerics) commits that bonus, but
+    the next root is the output's token: the context the trees see follows the output too, as
+    trace_trees (which fits the learned estimator) builds it."""
+    import copy
+
+    trace = copy.deepcopy(traces["scripted", "lru"])
+    seq = trace.sequences[0]
+    seq.root_argmax[5] = (int(seq.root_argmax[5]) + 1) % 256  # position 5's bonus leaves the output
+    watcher = RootOnlyWatcher()
+    result = replay(trace, watcher, LRUCache(capacity=4), UnionCostModel(constants=CONSTANTS), draft_time="modelled")
+    assert result.summary()["divergences"] == 1
+    assert watcher.seen and all(root == last for root, last in watcher.seen)
