@@ -100,8 +100,9 @@ class DraftGate:
         """Values that are not finite numbers >= 0 (a damaged file) leave the gate as it is."""
         values = {k: state.get(k) for k in self.STATE}
         if values["spec_cycles"] is None and isinstance(values["spec_tokens"], (int, float)):
-            # saved before the gate counted its drafted cycles: each committed >= 1 token, so this
-            # is at most the true count (a probe's loss per cycle is not underestimated)
+            # saved before the gate counted its drafted cycles: each committed >= 1 token and the
+            # decayed count stays below 1 / (1 - decay), so this is at least the true count (a
+            # probe's loss per cycle may be underestimated: the first probes may come sooner)
             values["spec_cycles"] = max(min(float(values["spec_tokens"]), 1.0 / (1.0 - self.decay)), 1.0)
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) and v >= 0
                    for v in values.values()):
