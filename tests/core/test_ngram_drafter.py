@@ -71,7 +71,8 @@ def test_learns_how_often_each_match_length_is_accepted():
 
 @pytest.mark.parametrize("bad, key", [("drafter.depth=0", "drafter.depth"), ("drafter.depth=65", "drafter.depth"),
                                       ("drafter.min_match=1", "drafter.min_match"),
-                                      ("drafter.min_match=9", "drafter.min_match")])
+                                      ("drafter.min_match=9", "drafter.min_match"),
+                                      ("drafter.min_match=5", "drafter.min_match")])  # not an indexed length
 def test_bad_settings_name_the_key(bad, key):
     with pytest.raises(ConfigError, match=key):
         specfit.compose(["model=tiny", "drafter=ngram", bad])

@@ -39,11 +39,15 @@ class NgramDrafterConfig(DrafterConfig):
 
 
 def check_ngram_settings(depth: int, min_match: int) -> None:
-    """``drafter.depth`` in [1, TREE_LIMITS], ``drafter.min_match`` in [2, 8]: one line naming the key."""
+    """``drafter.depth`` in [1, TREE_LIMITS], ``drafter.min_match`` one of ORDERS (2, 3, 4, 6, 8:
+    the n-gram lengths indexed): one line naming the key."""
     for key, value, low, high in (("depth", depth, 1, TREE_LIMITS["depth"]),
                                   ("min_match", min_match, ORDERS[0], ORDERS[-1])):
         if integer(f"drafter.{key}", value, minimum=low) > high:
             raise ConfigError(f"drafter.{key}={value} exceeds {high}")
+    if min_match not in ORDERS:  # 5 or 7 would silently match only from 6 or 8 tokens
+        raise ConfigError(f"drafter.min_match={min_match} must be one of {', '.join(map(str, ORDERS))}"
+                          " (the n-gram lengths indexed)")
 
 
 class NgramDrafter(DrafterBase):
