@@ -134,7 +134,8 @@ class Cycle:
     # it after the prefill, a replay at each sequence's start, and every cycle for the next one
     root_prob: float | None = None
     # the sequence so far, the root included (specfit.core.context): set at each sequence's start
-    # by the engine or the replay, grown here by every cycle's committed tokens
+    # by the engine or the replay (which also resets it to the recorded output after a divergence),
+    # grown here by every cycle's committed tokens
     context: TokenContext | None = None
 
     def run(self, root: int, sampler: Sampler, max_depth: int, max_nodes: int, room: int | None = None,

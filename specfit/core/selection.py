@@ -145,7 +145,8 @@ class CostAwareSelector(SelectorBase):
         self.acceptance, self.early_stop, self.draft_time = acceptance, early_stop, draft_time
         self.estimator = estimator_named(acceptance, key="selector.acceptance")
         self.acceptance_score = AcceptanceScore(estimator=self.estimator.name)
-        self.gate = DraftGate(gate_max_backoff, probe_budget=gate_probe_budget) if draft_gate else None
+        gate = DraftGate(gate_max_backoff, probe_budget=gate_probe_budget)  # checks the settings either way
+        self.gate = gate if draft_gate else None
         self._drafted_since_plain = 0  # drafted cycles since a plain pass was last timed
         self.keeper: Any = None  # set by specfit.core.setup_state: saves what the gate and estimator learned
         self._estimates: np.ndarray | None = None  # the last selection's a_v, scored once the outcome is known

@@ -226,6 +226,8 @@ def test_draft_gate_compares_tokens_per_second_drafting_with_plain_passes():
         DraftGate(max_backoff=0)
     with pytest.raises(ConfigError, match="gate_probe_budget"):
         DraftGate(probe_budget=0.0)
+    with pytest.raises(ConfigError, match="gate_probe_budget"):  # checked with the gate off too
+        SpecFitSelector(draft_gate=False, gate_probe_budget=2.0)
 
 
 def _losing_gate(budget: float, committed: int, seconds: float):
