@@ -30,8 +30,13 @@ class SpecFitSelectorConfig(CostAwareSelectorConfig):
     objective: str = "ratio"
 
     def __post_init__(self) -> None:
-        if self.objective not in OBJECTIVES:
-            raise ConfigError(f"selector.objective={self.objective!r} must be one of {', '.join(OBJECTIVES)}")
+        check_objective(self.objective)
+
+
+def check_objective(objective: str) -> None:
+    """``selector.objective`` is one of OBJECTIVES: else one line naming the key."""
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"selector.objective={objective!r} must be one of {', '.join(OBJECTIVES)}")
 
 
 class SpecFitSelector(CostAwareSelector):
@@ -39,8 +44,7 @@ class SpecFitSelector(CostAwareSelector):
     Config = SpecFitSelectorConfig
 
     def __init__(self, *args: Any, objective: str = "ratio", **kwargs: Any) -> None:
-        if objective not in OBJECTIVES:
-            raise ConfigError(f"selector.objective={objective!r} must be one of {', '.join(OBJECTIVES)}")
+        check_objective(objective)
         super().__init__(*args, **kwargs)
         self.objective = objective
 
