@@ -702,6 +702,17 @@ def _allowed_mask(problem: SearchProblem, allowed: np.ndarray | None) -> np.ndar
     return arr
 
 
+def _result(kernel_output: tuple) -> SearchResult:
+    """A search kernel's output tuple as a SearchResult."""
+    (mask, n_exp, t_cost, iterations, calls, max_depth, depth_counts, n_vert, n_arcs,
+     n_ok) = kernel_output
+    return SearchResult(mask=mask, rho=n_exp / t_cost, n_expected=n_exp, time_cost=t_cost,
+                        iterations=int(iterations), maxflow_calls=int(calls),
+                        max_depth=int(max_depth), depth_counts=depth_counts,
+                        graph_vertices=int(n_vert), graph_arcs=int(n_arcs),
+                        surviving_nodes=int(n_ok))
+
+
 def solve(problem: SearchProblem, allowed: np.ndarray | None = None,
           initial: np.ndarray | None = None, merge: bool = True,
           warm: bool = True) -> SearchResult:
@@ -729,16 +740,10 @@ def solve(problem: SearchProblem, allowed: np.ndarray | None = None,
         if np.any(~allowed_arr[sel]) or np.any((par >= 0) & ~init_arr[np.maximum(par, 0)]):
             raise ValueError("initial must be ancestor-closed and within allowed")
         use_init = True
-    (mask, n_exp, t_cost, iterations, calls, max_depth, depth_counts, n_vert, n_arcs,
-     n_ok) = _solve_kernel(problem.parents, problem.accept, problem.node_experts,
-                           problem.root_experts, problem.resident, problem.wait, problem.c0,
-                           problem.c_tok, problem.c_miss, problem.c_hit, problem.draft_time,
-                           allowed_arr, init_arr, use_init, merge, warm, TIE_RTOL, _MAX_ITER)
-    return SearchResult(mask=mask, rho=n_exp / t_cost, n_expected=n_exp, time_cost=t_cost,
-                        iterations=int(iterations), maxflow_calls=int(calls),
-                        max_depth=int(max_depth), depth_counts=depth_counts,
-                        graph_vertices=int(n_vert), graph_arcs=int(n_arcs),
-                        surviving_nodes=int(n_ok))
+    return _result(_solve_kernel(problem.parents, problem.accept, problem.node_experts,
+                                 problem.root_experts, problem.resident, problem.wait, problem.c0,
+                                 problem.c_tok, problem.c_miss, problem.c_hit, problem.draft_time,
+                                 allowed_arr, init_arr, use_init, merge, warm, TIE_RTOL, _MAX_ITER))
 
 
 def solve_surplus(problem: SearchProblem, rate: float, allowed: np.ndarray | None = None,
@@ -756,16 +761,10 @@ def solve_surplus(problem: SearchProblem, rate: float, allowed: np.ndarray | Non
     if not (np.isfinite(rate) and rate > 0):
         raise ValueError(f"rate must be a positive finite number of tokens per second, got {rate}")
     allowed_arr = _allowed_mask(problem, allowed)
-    (mask, n_exp, t_cost, iterations, calls, max_depth, depth_counts, n_vert, n_arcs,
-     n_ok) = _surplus_kernel(problem.parents, problem.accept, problem.node_experts,
-                             problem.root_experts, problem.resident, problem.wait, problem.c0,
-                             problem.c_tok, problem.c_miss, problem.c_hit, problem.draft_time,
-                             allowed_arr, float(rate), merge, TIE_RTOL)
-    return SearchResult(mask=mask, rho=n_exp / t_cost, n_expected=n_exp, time_cost=t_cost,
-                        iterations=int(iterations), maxflow_calls=int(calls),
-                        max_depth=int(max_depth), depth_counts=depth_counts,
-                        graph_vertices=int(n_vert), graph_arcs=int(n_arcs),
-                        surviving_nodes=int(n_ok))
+    return _result(_surplus_kernel(problem.parents, problem.accept, problem.node_experts,
+                                   problem.root_experts, problem.resident, problem.wait, problem.c0,
+                                   problem.c_tok, problem.c_miss, problem.c_hit, problem.draft_time,
+                                   allowed_arr, float(rate), merge, TIE_RTOL))
 
 
 def greedy(problem: SearchProblem, allowed: np.ndarray | None = None) -> np.ndarray:
