@@ -117,10 +117,8 @@ def map_weights(x: np.ndarray, y: np.ndarray, w0: np.ndarray, prior: np.ndarray,
 
     w, value = w0.copy(), objective(w0)
     for _ in range(steps):
-        p = _sigmoid(x @ w)
-        gradient = prior @ (w - w0) + x.T @ (p - y)
-        hessian = prior + (x * (p * (1 - p))[:, None]).T @ x
-        step = np.linalg.solve(hessian, gradient)
+        gradient = prior @ (w - w0) + x.T @ (_sigmoid(x @ w) - y)
+        step = np.linalg.solve(posterior_precision(x, w, prior), gradient)
         slope = float(gradient @ step)
         t = 1.0
         while t > 1e-6:
@@ -135,6 +133,13 @@ def map_weights(x: np.ndarray, y: np.ndarray, w0: np.ndarray, prior: np.ndarray,
         if np.max(np.abs(t * step)) < 1e-9:
             break
     return w
+
+
+def posterior_precision(x: np.ndarray, w: np.ndarray, prior: np.ndarray) -> np.ndarray:
+    """The Hessian of the MAP objective at ``w``: ``prior`` plus the samples' logistic curvature
+    (the Laplace approximation's precision of the weights)."""
+    p = _sigmoid(x @ w)
+    return prior + (x * (p * (1 - p))[:, None]).T @ x
 
 
 def initial_weights() -> np.ndarray:
@@ -237,9 +242,7 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
         self._cache = None
         prior = self.forget * self.precision + (1 - self.forget) * self.prior_strength * np.eye(len(FEATURES))
         w = map_weights(x, y, self.weights, prior, self.newton_steps)
-        p = _sigmoid(x @ w)
-        self.weights = w
-        self.precision = prior + (x * (p * (1 - p))[:, None]).T @ x
+        self.weights, self.precision = w, posterior_precision(x, w, prior)
         self.trees += 1
 
     def fit_trees(self, trees: Any) -> int:
@@ -266,8 +269,7 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
         """Offline: the MAP weights of all samples at once under the prior at w0 (Newton to convergence)."""
         prior = self.prior_strength * np.eye(len(FEATURES))
         w = map_weights(x, y, initial_weights(), prior, steps)
-        p = _sigmoid(x @ w)
-        self.weights, self.precision = w, prior + (x * (p * (1 - p))[:, None]).T @ x
+        self.weights, self.precision = w, posterior_precision(x, w, prior)
         self._cache = None
 
     def state(self) -> dict[str, Any]:
