@@ -298,7 +298,8 @@ class TraceVerifier:
                 self._at(index, seq, pos)
                 if pos == 0:  # the prefill's first token; later roots come from token_prob
                     cycle.root_prob = self.rec.known_root_prob
-                    cycle.context = TokenContext([*seq.prompt.tolist(), int(output[0])])
+                if pos == 0 or self.diverged:  # the sequence up to the root: the output's, not a diverged commit
+                    cycle.context = TokenContext([*seq.prompt.tolist(), *output[:pos + 1].tolist()])
                 if self.sink is not None:
                     self.sink.begin_cycle()
                 sampler.position = pos + 1
@@ -306,8 +307,6 @@ class TraceVerifier:
                                            max_commit=len(output) - pos - 1)
                 done.append(ReplayCycle(**vars(record), sequence=index, position=pos, diverged=self.diverged))
                 pos += len(tokens)
-                if self.diverged:  # it committed a token off the output; the next root is the output's
-                    cycle.context = TokenContext([*seq.prompt.tolist(), *output[:pos + 1].tolist()])
         return done
 
     def _at(self, index: int, seq: TraceSequence, pos: int) -> None:
