@@ -253,8 +253,10 @@ class CostAwareSelector(SelectorBase):
         predicted, self._last = self._last, None
         if self.draft_time == "measured":
             self.rate_tracker.add(committed, seconds)
-        elif predicted is not None or (not drafted and self._plain_seconds > 0.0):  # no clock: predicted times
-            self.rate_tracker.add(committed, predicted[0] if drafted and predicted else self._plain_seconds)
+        elif drafted and predicted is not None:  # no clock: the predicted T(S*) ...
+            self.rate_tracker.add(committed, predicted[0])
+        elif not drafted:  # ... or the predicted plain pass (nothing before the first selection: 0.0)
+            self.rate_tracker.add(committed, self._plain_seconds)
         if self.gate is None:
             return
         if not drafted:
