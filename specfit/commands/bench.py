@@ -42,20 +42,23 @@ def _config_name() -> str:
 
 
 def method_config(cfg: DictConfig, method: str, workload: str | None, overrides: list[str]) -> DictConfig:
-    """The config of one method: its preset on top of the job's overrides.
+    """The config of one method: the job's overrides on top of its preset.
 
     An override applies to every method whose config has that key (``drafter.top_k=4`` changes
     the EAGLE-3 methods and leaves ``ar`` alone); :func:`check_overrides` makes sure each one
-    applies to at least one method, so a typo is still an error.
+    applies to at least one method, so a typo is still an error. A group the preset also names
+    takes the command line's choice (``methods=[specfit] predictor=oracle`` replays SpecFit with
+    the oracle predictor, not the preset's history predictor), as in any Hydra command line.
     """
     if method not in cfg.method_presets:
         raise ConfigError(f"methods: {method!r} has no entry in method_presets (known: {', '.join(cfg.method_presets)})")
-    base = ([f"workload={workload}"] if workload else []) + list(cfg.method_presets[method])
+    preset = list(cfg.method_presets[method])
+    last = [f"workload={workload}"] if workload else []  # the run's workload, from workloads=[...]
     try:
-        return compose(overrides + base, config_name=_config_name())
+        return compose(preset + overrides + last, config_name=_config_name())
     except ConfigError:
-        usable = [o for o in overrides if _composes([o] + base)]
-        return compose(usable + base, config_name=_config_name())
+        usable = [o for o in overrides if _composes(preset + [o] + last)]
+        return compose(preset + usable + last, config_name=_config_name())
 
 
 def without_unused_cost_model(cfg: DictConfig) -> DictConfig:
@@ -83,10 +86,10 @@ def _composes(overrides: list[str]) -> bool:
 
 def check_overrides(cfg: DictConfig, overrides: list[str]) -> None:
     """Each override must apply to at least one method (a typo is an error)."""
-    if any(_composes(overrides + list(cfg.method_presets.get(m, []))) for m in cfg.methods):
+    if any(_composes(list(cfg.method_presets.get(m, [])) + overrides) for m in cfg.methods):
         return  # one method takes them all: one composition instead of one per override and method
     for o in overrides:
-        if not any(_composes([o] + list(cfg.method_presets.get(m, []))) for m in cfg.methods):
+        if not any(_composes(list(cfg.method_presets.get(m, [])) + [o]) for m in cfg.methods):
             compose([o], config_name=_config_name())  # raises the error that names the key
             raise ConfigError(f"override {o!r} applies to none of the methods {list(cfg.methods)}")
 
