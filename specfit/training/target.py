@@ -46,7 +46,7 @@ MODEL_FIELDS = (
 #: Fields that define the data stream and the schedule; a resumed run must match them too.
 STREAM_FIELDS = ("seq_len", "batch_size", "seed", "max_steps", "warmup_steps", "lr",
                  "min_lr_ratio", "gsm_per_template", "gsm_seed", "train_files",
-                 "include_builtin_data")
+                 "include_builtin_data", "init_from")
 
 
 @dataclass
@@ -104,6 +104,9 @@ class TrainTargetConfig:
     eval_windows: int = 64  # held-out windows (seq_len tokens each) for the eval loss in the log
     checkpoint_every: int = 100
     resume: bool = False
+    # a saved target directory (``save_pretrained`` layout, e.g. specfit/assets/demo/target) whose
+    # weights start the run: continue training a shipped target with a new schedule (same shape)
+    init_from: str | None = None
     progress: bool | None = None  # None: a bar on a terminal, else a line per log_every steps; false: neither
     save_dtype: str = "float32"  # dtype of the final safetensors ("float32" or "bfloat16")
 
@@ -477,7 +480,10 @@ def train_target(cfg: TrainTargetConfig) -> Path:
         set_rng_state(state["rng"])
         log.write(event="resume", step=step, tokens=tokens_seen)
     else:
-        log.write(event="start", parameters=count_parameters(model), train_tokens=int(len(data.tokens)),
+        if cfg.init_from:
+            init_from_saved(model, cfg.init_from)
+        log.write(event="start", init_from=cfg.init_from, parameters=count_parameters(model),
+                  train_tokens=int(len(data.tokens)),
                   token_share=data.token_share(), windows_per_epoch=sampler.windows_per_epoch,
                   tokens_planned=cfg.max_steps * cfg.batch_size * cfg.seq_len)
     del state
@@ -554,6 +560,30 @@ def train_target(cfg: TrainTargetConfig) -> Path:
     write_json(out / "training_summary.json", summary)
     log.write(event="done", **{k: v for k, v in summary.items() if k != "token_share"})
     return out
+
+
+def init_from_saved(model: Any, path: str) -> None:
+    """Start ``model`` from the target saved at ``path`` (same shape; any saved dtype is cast).
+
+    transformers loads it, so the saved layout (per-expert or fused tensors) does not matter."""
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    from specfit.errors import ConfigError
+
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"init_from={path}: no config.json there; name a directory written by train-target "
+                          "(or specfit/assets/demo/target)")
+    saved = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    own = model.state_dict()
+    bad = sorted(k for k in own if k in saved and own[k].shape != saved[k].shape)
+    missing = sorted(k for k in own if k not in saved)
+    if bad or missing:
+        raise ConfigError(f"init_from={path}: the saved target does not match this run's shape "
+                          f"(wrong shape: {bad[:4]}, missing: {missing[:4]}); use the same model settings")
+    with torch.no_grad():
+        for name, tensor in own.items():
+            tensor.copy_(saved[name].to(tensor.dtype))
 
 
 def save_final_model(model: Any, tokenizer: Any, out: Path, dtype: str = "float32") -> None:

@@ -156,3 +156,24 @@ def test_eval_windows_and_repeat_metric(tiny_setup):
     np.testing.assert_array_equal(w[0, -1], w[1, 0])  # consecutive windows overlap by one token
     assert repeated_ngram_fraction([1, 2, 3, 4, 5, 6]) == 0.0
     assert repeated_ngram_fraction([7] * 10) == pytest.approx(1 - 1 / 7)
+
+
+def test_init_from_continues_a_saved_target(tiny_setup):
+    """``init_from`` starts from a saved target: its first loss is the trained model's (far below a
+    fresh model's), and a directory without a model or of another shape is a clear error."""
+    from specfit.errors import ConfigError
+
+    first = tiny_setup["root"] / "first"
+    train_target(_cfg(tiny_setup, first))
+    cont = tiny_setup["root"] / "cont"
+    train_target(_cfg(tiny_setup, cont, init_from=str(first), max_steps=3, lr=1e-4, warmup_steps=1, seed=1))
+    fresh = tiny_setup["root"] / "fresh"
+    train_target(_cfg(tiny_setup, fresh, max_steps=3, lr=1e-4, warmup_steps=1, seed=1))
+    assert _train_losses(cont)[0] < _train_losses(fresh)[0] - 1.0
+    assert _train_losses(cont)[0] < _train_losses(first)[-5] + 0.5  # where the first run ended
+    start = [json.loads(line) for line in (cont / "train_log.jsonl").read_text().splitlines()][0]
+    assert start["event"] == "start" and start["init_from"] == str(first)
+    with pytest.raises(ConfigError, match="init_from=.*no config.json"):
+        train_target(_cfg(tiny_setup, tiny_setup["root"] / "bad", init_from=str(tiny_setup["root"]), max_steps=1))
+    with pytest.raises(ConfigError, match="init_from=.*does not match"):
+        train_target(_cfg(tiny_setup, tiny_setup["root"] / "bad2", init_from=str(first), max_steps=1, hidden_size=64))
