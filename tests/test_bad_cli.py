@@ -139,6 +139,7 @@ CASES: list[tuple[str, str, str]] = [
     (f"{SPEC} cost_model.calibration=", "cost_model.calibration", EARLY),
     (f"{SPEC} cost_model.calibration=/nope/calibration.json", "cost_model.calibration", LATE),
     (f"{S} predictor=oracle", "predictor=oracle", LATE),
+    (f"{SPEC} acceptance=oracle", "acceptance=oracle", LATE),
     # prompts
     ("generate model=tiny prompt=hi prompt_ids=[1]", "prompt_ids", EARLY),
     ("generate model=tiny prompt=hi", "prompt_ids", LATE),  # no tokenizer: the ids are the way

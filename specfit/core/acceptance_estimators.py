@@ -189,6 +189,15 @@ def estimator_named(name: str, key: str = "acceptance") -> Any:
         raise ConfigError(f"{key}={name!r}: {exc}") from None
 
 
+def bind_estimator_target(selector: Any, target: Any) -> None:
+    """Give the selector's estimator the target, if it reads one (optional ``bind_target``: the
+    oracle estimator reads a trace replay's recorded outcomes through it; a live target has none,
+    and it says so)."""
+    estimator = getattr(selector, "estimator", None)
+    if estimator is not None and hasattr(estimator, "bind_target"):
+        guard.call("acceptance", estimator, "bind_target", target)
+
+
 def attach_acceptance(selector: Any, node: Any, note: bool = True) -> None:
     """Give ``selector`` the estimator the config's ``acceptance`` group names (``node``: that
     group's config, or None to keep the selector's own). Selectors that use no acceptance

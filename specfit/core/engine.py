@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from specfit.core import guard
+from specfit.core.acceptance_estimators import bind_estimator_target
 from specfit.core.calibration import pipelined
 from specfit.core.context import TokenContext
 from specfit.core.copy_engines import CopyEngine, LinkSettings, make_copy_engine
@@ -118,6 +119,7 @@ class Engine:
             guard.call("cost_model", cost_model, "bind", self.spec)
         if predictor is not None:
             guard.call("predictor", predictor, "bind", self.target)
+        bind_estimator_target(self.selector, self.target)
         self.prefetcher = prefetcher
         self.prefetch_sink: LiveSink | None = None
         if prefetcher is not None:  # bound with a live sink: its copies go to the runtime, checked

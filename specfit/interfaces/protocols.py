@@ -197,6 +197,8 @@ class AcceptanceEstimator(Protocol):
     verification; ``state`` / ``load_state`` carry what it learned from one engine to the next of
     the same setup (stored beside the calibration). Optional (defaults in
     ``AcceptanceEstimatorBase``): ``bind``, ``observe``, ``state`` (nothing to keep), ``load_state``.
+    An estimator that reads the target defines ``bind_target(target)``, called once the engine's
+    or the replay's target exists (the built-in ``oracle`` reads a replay's recorded outcomes).
     """
 
     name: ClassVar[str]

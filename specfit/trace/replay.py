@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from specfit.core import guard
+from specfit.core.acceptance_estimators import bind_estimator_target
 from specfit.core.calibration import CostConstants, load_constants
 from specfit.core.context import TokenContext
 from specfit.core.cycle import Cycle, CycleTimes, Verdict, check_parts
@@ -215,6 +216,7 @@ def replay(trace: Trace, selector: Any, cache: Any, cost_model: Any, predictor: 
                              model if model is not None else model_loader(trace))
     if predictor is not None:
         guard.call("predictor", predictor, "bind", verifier.target)
+    bind_estimator_target(selector, verifier.target)
     verifier.bind_cache()
     verifier.selector_name = guard.plugin_name(selector)
     sink = None

@@ -359,3 +359,39 @@ def test_a_diverged_cycle_leaves_the_context_on_the_recorded_output(traces):
     result = replay(trace, watcher, LRUCache(capacity=4), UnionCostModel(constants=CONSTANTS), draft_time="modelled")
     assert result.summary()["divergences"] == 1
     assert watcher.seen and all(root == last for root, last in watcher.seen)
+
+
+def test_oracle_acceptance_knows_the_recorded_outcomes_and_closes_the_gap(traces):
+    """acceptance=oracle: a_v is 1 exactly on the recorded accepted path, so SpecFit (its own cost
+    model, search and stop rule) verifies nothing the target rejects, and with the oracle predictor
+    too it comes near the oracle selector (0.85 of it here; the demo traces: 1.0, docs/results.md)."""
+    from specfit.plugins.acceptance.oracle import OracleAcceptance
+
+    trace = traces["scripted", "lru"]
+
+    def run(acceptance):
+        selector = SpecFitSelector(draft_time="modelled", draft_gate=False)
+        if acceptance is not None:
+            selector.set_acceptance(acceptance)
+        return replay(trace, selector, LRUCache(capacity=4), UnionCostModel(constants=CONSTANTS), OraclePredictor(),
+                      draft_time="modelled")
+
+    knowing, guessing = run(OracleAcceptance()), run(None)
+    oracle = replay(trace, OracleSelector(), LRUCache(capacity=4), UnionCostModel(constants=CONSTANTS),
+                    draft_time="modelled")
+    for c in knowing.cycles:
+        assert c.accepted == c.verified  # every verified node is accepted
+    rate = {name: r.summary()["predicted_tokens_per_second"] for name, r in
+            (("knowing", knowing), ("guessing", guessing), ("oracle", oracle))}
+    assert 1.5 * rate["guessing"] < rate["knowing"] and rate["knowing"] >= 0.8 * rate["oracle"], rate
+
+
+def test_oracle_acceptance_refuses_live_runs(references):
+    from specfit.plugins.acceptance.oracle import OracleAcceptance
+
+    selector = SpecFitSelector()
+    selector.set_acceptance(OracleAcceptance())
+    with pytest.raises(ConfigError, match="acceptance=oracle"):
+        Engine(tiny_model(), drafter=scripted(references), selector=selector, cost_model=UnionCostModel(constants=CONSTANTS),
+               predictor=HistoryPredictor(), device="cpu")
+    assert get_plugins()["acceptance"].get("oracle").cls is OracleAcceptance
