@@ -10,7 +10,8 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from specfit.core.calibration import (
-    calibration_path, check_calibration_destination, load_constants, run_calibration, save_constants,
+    FIT_VERSION, calibration_path, check_calibration_destination, load_constants, run_calibration, save_constants,
+    stored_fit_version,
 )
 from specfit.core.acceptance_estimators import attach_acceptance
 from specfit.core.copy_engines import LinkSettings
@@ -128,9 +129,12 @@ def _attach_calibration(engine: Engine, prompts: Sequence[Any] | None) -> None:
         model.set_constants(load_constants(source))
         return
     path = calibration_path(engine)
-    if path.is_file():
+    if path.is_file() and stored_fit_version(path) >= FIT_VERSION:
         model.set_constants(load_constants(path))
         return
+    if path.is_file():
+        print(f"specfit: the stored calibration {path} was fitted by an older specfit "
+              f"(fit version {stored_fit_version(path)} < {FIT_VERSION}); measuring it again", file=sys.stderr)
     print(f"specfit: calibrating the cost model for this setup (stored in {path})", file=sys.stderr)
     constants, _ = calibrate(engine, prompts, path=path)
     model.set_constants(constants)

@@ -132,6 +132,27 @@ def test_calibration_is_measured_once_then_reused(tmp_path, monkeypatch):
     assert out.token_ids == reference()[len(PROMPT):][:8]
 
 
+def test_a_calibration_fitted_by_an_older_specfit_is_measured_again(tmp_path, monkeypatch, capsys):
+    """A stored file without the current ``fit_version`` (an older fit) is not reused silently."""
+    from specfit.core.calibration import FIT_VERSION
+
+    monkeypatch.setenv("SPECFIT_HOME", str(tmp_path))
+    overrides = ["model=tiny", "drafter=eagle3", "drafter.top_k=3", "drafter.depth=2", "drafter.total_tokens=6",
+                 "selector=specfit", "cost_model=union", "predictor=history", "cache.capacity=4", "max_new_tokens=8"]
+    specfit.build(specfit.compose(overrides))
+    (path,) = tmp_path.glob("calibration/*.json")
+    data = json.loads(path.read_text())
+    assert data["fit_version"] == FIT_VERSION
+    del data["fit_version"]
+    data["constants"]["c0"] = 123.0  # what an old fit stored: must not be used
+    path.write_text(json.dumps(data))
+    capsys.readouterr()
+    engine = specfit.build(specfit.compose(overrides))
+    assert "fitted by an older specfit (fit version 1" in capsys.readouterr().err
+    assert engine.cost_model.constants.c0 != 123.0
+    assert json.loads(path.read_text())["fit_version"] == FIT_VERSION
+
+
 def test_calibrate_command_prints_error_and_path(tmp_path, monkeypatch, capsys):
     from specfit.cli import main
 
