@@ -73,7 +73,7 @@ def test_estimators_are_registered_and_listed(capsys):
     from specfit.commands.plugins import run
 
     names = sorted(e.name for e in get_plugins().entries() if e.kind == "acceptance")
-    assert names == ["calibrated", "learned", "path_prob"]
+    assert names == ["calibrated", "learned", "oracle", "path_prob"]
     run()
     lines = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert {line[1] for line in lines if line[0] == "acceptance"} == set(names)
@@ -102,7 +102,7 @@ def test_selector_acceptance_is_the_earlier_spelling_of_the_group():
     assert isinstance(agreeing.estimator, LearnedAcceptance)
     with pytest.raises(ConfigError, match="selector.acceptance=calibrated and acceptance=learned disagree"):
         selector_for(compose([*SPECFIT, "selector.acceptance=calibrated", "acceptance=learned"]))
-    with pytest.raises(ConfigError, match="selector.acceptance='foo'.*registered: calibrated, learned, path_prob"):
+    with pytest.raises(ConfigError, match="selector.acceptance='foo'.*registered: calibrated, learned, oracle, path_prob"):
         SpecFitSelector(acceptance="foo")
     with pytest.raises(ConfigError, match="acceptance"):
         compose([*SPECFIT, "acceptance=foo"])
