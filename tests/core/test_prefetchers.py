@@ -130,6 +130,29 @@ def test_lookahead_next_prefetches_queue_behind_the_layers_own_copies(source):
             assert not [e for e in order[i + 1:] if e[:2] == (pass_, layer - 1)], (i, order[max(0, i - 6):i + 2])
 
 
+def test_lookahead_picks_sets_how_many_experts_each_token_prefetches():
+    """``picks`` above the model's top-k asks for the router's next experts too (AR output kept);
+    a value that cannot work is one line naming prefetch.picks."""
+    from specfit.errors import ConfigError
+
+    asked = {}
+    for picks in (None, 4):
+        engine = Engine(tiny_model(), cache=LRUCache(capacity=6), prefetcher=LookaheadPrefetcher(picks=picks),
+                        device="cpu", selector=NoDraftSelector())
+        sizes = []
+        sink = engine.prefetch_sink
+        prefetch = sink.prefetch
+        sink.prefetch = lambda layer, experts, _p=prefetch: (sizes.append(len(list(experts))), _p(layer, experts))[1]
+        out = engine.generate(PROMPT, max_new_tokens=N)
+        assert out.token_ids == reference()[len(PROMPT):]
+        asked[picks] = min(sizes)  # a one-token (AR) pass: the picks of one token
+    assert asked[None] == engine.spec.top_k < asked[4] == 4, asked
+    with pytest.raises(ConfigError, match="prefetch.picks=0"):
+        LookaheadPrefetcher(picks=0)
+    with pytest.raises(ConfigError, match="prefetch.picks=99"):
+        Engine(tiny_model(), prefetcher=LookaheadPrefetcher(picks=99), device="cpu", selector=NoDraftSelector())
+
+
 def test_lookahead_folds_the_rmsnorm_into_the_router_and_picks_the_same_experts():
     """``own`` computes top-k of x @ (router x norm scale).T: the same picks as norm then router."""
     model = tiny_model()

@@ -10,7 +10,7 @@ import numpy as np
 from specfit.errors import ConfigError
 from specfit.interfaces import DraftTree, PrefetcherBase, PrefetcherConfig
 from specfit.plugins.prefetchers.draft import DraftPrefetcher
-from specfit.plugins.prefetchers.lookahead import SOURCES, LookaheadPrefetcher
+from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher, check_lookahead_settings
 
 
 @dataclass
@@ -18,12 +18,12 @@ class AutoPrefetcherConfig(PrefetcherConfig):
     name: str = "auto"
     source: str = "own"  # lookahead's: own | next | both
     per_layer: int | None = None  # lookahead's cap per layer and pass
+    picks: int | None = None  # lookahead's experts per token (null: the model's top-k)
     min_benefit: float = 0.2  # draft's: skip experts used with a lower probability
     max_per_layer: int | None = None  # draft's cap per layer and level
 
     def __post_init__(self) -> None:
-        if self.source not in SOURCES:
-            raise ConfigError(f"prefetch.source={self.source!r} must be one of {', '.join(SOURCES)}")
+        check_lookahead_settings(self.source, self.per_layer, self.picks)
         if not 0.0 <= self.min_benefit <= 1.0:
             raise ConfigError(f"prefetch.min_benefit={self.min_benefit} must be in [0, 1]")
 
@@ -35,8 +35,8 @@ class AutoPrefetcher(PrefetcherBase):
     Config = AutoPrefetcherConfig
 
     def __init__(self, source: str = "own", per_layer: int | None = None, min_benefit: float = 0.2,
-                 max_per_layer: int | None = None) -> None:
-        self.lookahead = LookaheadPrefetcher(source=source, per_layer=per_layer)
+                 max_per_layer: int | None = None, picks: int | None = None) -> None:
+        self.lookahead = LookaheadPrefetcher(source=source, per_layer=per_layer, picks=picks)
         self.draft = DraftPrefetcher(min_benefit=min_benefit, max_per_layer=max_per_layer)
 
     def bind(self, target: Any, sink: Any) -> None:

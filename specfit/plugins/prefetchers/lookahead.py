@@ -28,7 +28,11 @@ and a CPU copy is a plain memcpy: host CPU time per token of AR with ``prefetch=
 without, the same process and prompts, fell from 2.3-2.5 to 0.3-0.8 ms (two runs of 4 prompts x
 48 tokens, with and without the link's waits; a loaded machine, so the figures are relative).
 Every token of the pass counts (AR steps, prefill and verification passes alike); each layer's
-experts go to the link most-picked first, at most ``per_layer`` of them. ``own`` folds an RMSNorm's
+experts go to the link most-picked first, at most ``per_layer`` of them. ``picks`` takes more than
+the model's top-k per token: on the demo pair (AR, capacity 8, 4 prompts x 2 x 48 tokens in one
+process, 2026-12-03) stall per token was 1.32 ms with the top 4, 1.53 / 2.18 / 2.89 with 5 / 6 / 8
+(AR without prefetch 2.86) and speed fell with it: the extra copies evict experts the next tokens
+use and queue ahead of the demand copies on the FIFO link. ``own`` folds an RMSNorm's
 scale into the router weight (:func:`fold_norm`): a positive factor per token does not change its
 top-k, so the hook is one matmul, a top-k and one host read.
 """
@@ -54,12 +58,21 @@ class LookaheadPrefetcherConfig(PrefetcherConfig):
     name: str = "lookahead"
     source: str = "own"  # own | next | both (see specfit.plugins.prefetchers.lookahead)
     per_layer: int | None = None  # the most experts prefetched per layer and pass (null: all it picks)
+    # experts each token takes from the early router (null: the model's top-k); more raises recall
+    # at the cost of link time and slots
+    picks: int | None = None
 
     def __post_init__(self) -> None:
-        if self.source not in SOURCES:
-            raise ConfigError(f"prefetch.source={self.source!r} must be one of {', '.join(SOURCES)}")
-        if self.per_layer is not None and self.per_layer < 1:
-            raise ConfigError(f"prefetch.per_layer={self.per_layer} must be >= 1 (or null)")
+        check_lookahead_settings(self.source, self.per_layer, self.picks)
+
+
+def check_lookahead_settings(source: str, per_layer: int | None, picks: int | None) -> None:
+    """One line naming the ``prefetch.*`` key that cannot work."""
+    if source not in SOURCES:
+        raise ConfigError(f"prefetch.source={source!r} must be one of {', '.join(SOURCES)}")
+    for key, value in (("per_layer", per_layer), ("picks", picks)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"prefetch.{key}={value!r} must be an integer >= 1 (or null)")
 
 
 @dataclass
@@ -76,8 +89,9 @@ class LookaheadPrefetcher(PrefetcherBase):
     name = "lookahead"
     Config = LookaheadPrefetcherConfig
 
-    def __init__(self, source: str = "own", per_layer: int | None = None) -> None:
-        self.source, self.per_layer = source, per_layer
+    def __init__(self, source: str = "own", per_layer: int | None = None, picks: int | None = None) -> None:
+        check_lookahead_settings(source, per_layer, picks)
+        self.source, self.per_layer, self.picks = source, per_layer, picks
         self.handles: list[Any] = []
 
     def bind(self, target: Any, sink: Any) -> None:
@@ -86,7 +100,9 @@ class LookaheadPrefetcher(PrefetcherBase):
             sink.note("prefetch=lookahead needs the target's live hidden states: it is not replayed")
             return
         model, spec = target.model, target.runtime.spec
-        self.k = spec.top_k
+        if self.picks is not None and self.picks > spec.num_experts:
+            raise ConfigError(f"prefetch.picks={self.picks} is more than the model's {spec.num_experts} experts per layer")
+        self.k = self.picks or spec.top_k
         layers, routers = [], []
         for name in spec.module_names:
             block_name = name.rpartition(".")[0]
