@@ -574,13 +574,18 @@ def init_from_saved(model: Any, path: str) -> None:
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"init_from={path}: no config.json there; name a directory written by train-target "
                           "(or specfit/assets/demo/target)")
-    saved = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    loaded, info = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    saved = loaded.state_dict()
     own = model.state_dict()
     bad = sorted(k for k in own if k in saved and own[k].shape != saved[k].shape)
-    missing = sorted(k for k in own if k not in saved)
-    if bad or missing:
+    # missing: not in the saved model, or not in its files (from_pretrained drew those at random);
+    # extra: in the saved model only (a deeper target would otherwise be cut to this run's layers)
+    missing = sorted({k for k in own if k not in saved} | set(info.get("missing_keys", ())))
+    extra = sorted(k for k in saved if k not in own)
+    if bad or missing or extra:
         raise ConfigError(f"init_from={path}: the saved target does not match this run's shape "
-                          f"(wrong shape: {bad[:4]}, missing: {missing[:4]}); use the same model settings")
+                          f"(wrong shape: {bad[:4]}, missing: {missing[:4]}, extra: {extra[:4]}); "
+                          "use the same model settings")
     with torch.no_grad():
         for name, tensor in own.items():
             tensor.copy_(saved[name].to(tensor.dtype))

@@ -177,3 +177,23 @@ def test_init_from_continues_a_saved_target(tiny_setup):
         train_target(_cfg(tiny_setup, tiny_setup["root"] / "bad", init_from=str(tiny_setup["root"]), max_steps=1))
     with pytest.raises(ConfigError, match="init_from=.*does not match"):
         train_target(_cfg(tiny_setup, tiny_setup["root"] / "bad2", init_from=str(first), max_steps=1, hidden_size=64))
+
+
+def test_init_from_refuses_a_deeper_saved_target(tmp_path):
+    """A saved target with more layers than the run is not silently cut to the run's layers."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from specfit.errors import ConfigError
+    from specfit.training.target import init_from_saved
+
+    def model(layers: int):
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=layers,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+            decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=64, tie_word_embeddings=True))
+
+    model(3).save_pretrained(str(tmp_path / "deep"))
+    same = model(3)
+    init_from_saved(same, str(tmp_path / "deep"))  # the same shape loads
+    with pytest.raises(ConfigError, match="init_from=.*does not match.*extra: \\['model.layers.2"):
+        init_from_saved(model(2), str(tmp_path / "deep"))
