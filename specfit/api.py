@@ -129,12 +129,13 @@ def _attach_calibration(engine: Engine, prompts: Sequence[Any] | None) -> None:
         model.set_constants(load_constants(source))
         return
     path = calibration_path(engine)
-    if path.is_file() and stored_fit_version(path) >= FIT_VERSION:
+    version = stored_fit_version(path) if path.is_file() else None
+    if path.is_file() and (version is None or version >= FIT_VERSION):  # a broken file: load_constants names it
         model.set_constants(load_constants(path))
         return
     if path.is_file():
         print(f"specfit: the stored calibration {path} was fitted by an older specfit "
-              f"(fit version {stored_fit_version(path)} < {FIT_VERSION}); measuring it again", file=sys.stderr)
+              f"(fit version {version} < {FIT_VERSION}); measuring it again", file=sys.stderr)
     print(f"specfit: calibrating the cost model for this setup (stored in {path})", file=sys.stderr)
     constants, _ = calibrate(engine, prompts, path=path)
     model.set_constants(constants)

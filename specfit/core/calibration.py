@@ -180,13 +180,15 @@ def setup_fingerprint(engine: Any) -> dict[str, Any]:
 FIT_VERSION = 2
 
 
-def stored_fit_version(path: Path) -> int:
-    """The fit version of a stored calibration (1 when it does not say, or cannot be read)."""
+def stored_fit_version(path: Path) -> int | None:
+    """The fit version of a stored calibration: 1 when it does not say, None when the file cannot
+    be read as JSON (``load_constants`` then says what is wrong with it)."""
     try:
-        version = json.loads(Path(path).read_text()).get("fit_version", 1)
-    except (OSError, ValueError, AttributeError):
-        return 1
-    return version if isinstance(version, int) and not isinstance(version, bool) else 1
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    version = data.get("fit_version", 1) if isinstance(data, dict) else None
+    return version if isinstance(version, int) and not isinstance(version, bool) else None
 
 
 def calibration_path(engine: Any) -> Path:

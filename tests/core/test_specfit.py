@@ -151,6 +151,9 @@ def test_a_calibration_fitted_by_an_older_specfit_is_measured_again(tmp_path, mo
     assert "fitted by an older specfit (fit version 1" in capsys.readouterr().err
     assert engine.cost_model.constants.c0 != 123.0
     assert json.loads(path.read_text())["fit_version"] == FIT_VERSION
+    path.write_text('{"constants": {"c0": 1,')  # damaged, not old: named, not silently measured again
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        specfit.build(specfit.compose(overrides))
 
 
 def test_calibrate_command_prints_error_and_path(tmp_path, monkeypatch, capsys):

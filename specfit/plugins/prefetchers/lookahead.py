@@ -71,7 +71,7 @@ def check_lookahead_settings(source: str, per_layer: int | None, picks: int | No
     if source not in SOURCES:
         raise ConfigError(f"prefetch.source={source!r} must be one of {', '.join(SOURCES)}")
     for key, value in (("per_layer", per_layer), ("picks", picks)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
             raise ConfigError(f"prefetch.{key}={value!r} must be an integer >= 1 (or null)")
 
 
