@@ -55,7 +55,7 @@ def test_sampling_values_are_checked():
         SamplingParams(temperature=1.0, top_p=0.0)
 
 
-def test_a_command_line_group_choice_wins_over_a_method_preset():
+def test_a_command_line_group_choice_wins_over_a_method_preset(capsys):
     """``methods=[specfit] predictor=oracle`` runs SpecFit with the oracle predictor (the preset names
     history): the command line is applied after the preset, as in any Hydra command line. A key a
     method does not have still leaves that method alone (``drafter.top_k`` and ``ar``)."""
@@ -67,3 +67,4 @@ def test_a_command_line_group_choice_wins_over_a_method_preset():
     ar = method_config(cfg, "ar", "gsm", ["drafter.top_k=4", "workload=prose"])
     assert ar.drafter.name == "none" and ar.workload.kind == "gsm"  # the run's workload is the bench's
     assert method_config(cfg, "specfit", None, []).predictor.name == "history"
+    assert "predictor=oracle replaces method specfit's predictor=history" in capsys.readouterr().err

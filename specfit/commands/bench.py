@@ -53,12 +53,27 @@ def method_config(cfg: DictConfig, method: str, workload: str | None, overrides:
     if method not in cfg.method_presets:
         raise ConfigError(f"methods: {method!r} has no entry in method_presets (known: {', '.join(cfg.method_presets)})")
     preset = list(cfg.method_presets[method])
+    note_replaced_choices(method, preset, overrides)
     last = [f"workload={workload}"] if workload else []  # the run's workload, from workloads=[...]
     try:
         return compose(preset + overrides + last, config_name=_config_name())
     except ConfigError:
         usable = [o for o in overrides if _composes(preset + [o] + last)]
         return compose(preset + usable + last, config_name=_config_name())
+
+
+_noted: set[tuple[str, str]] = set()
+
+
+def note_replaced_choices(method: str, preset: list[str], overrides: list[str]) -> None:
+    """Say once (stderr) when a command-line group choice replaces the one a method's preset makes
+    (``cache=lru`` gives ``ar_nocache`` a cache): the user asked for it, but may not know it."""
+    chosen = dict(o.split("=", 1) for o in preset if "=" in o and "." not in o.split("=", 1)[0])
+    for o in overrides:
+        group, _, value = o.partition("=")
+        if group in chosen and chosen[group] != value and (method, o) not in _noted:
+            _noted.add((method, o))
+            print(f"specfit: note: {o} replaces method {method}'s {group}={chosen[group]}", file=sys.stderr)
 
 
 def without_unused_cost_model(cfg: DictConfig) -> DictConfig:
