@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 15's estimator measurements: record held-out traces of both demo workloads (seed 0 to fit,
 # seed 1 held out) unless DIR already has them, fit the learned estimator, and replay the held-out
-# traces with GPU-like and recorded costs, with and without the draft prefetch.
+# traces with GPU-like and recorded costs, with and without the draft prefetch, and with oracle
+# acceptance estimates and experts (where the rest of the gap is).
 #   scripts/estimator_eval.sh [DIR]      (default /tmp/specfit-estimators; SPECFIT_HOME=DIR/home)
 # Figures: docs/results.md, "Acceptance from the sequence itself". Takes 5-10 minutes on 2 cores
 # (recording included).
@@ -25,9 +26,18 @@ for w in prose gsm; do
   $R $FITTED prefetch=draft $GPU > "$D/gpu-draft-fitted-$w.log" 2>&1
   $R methods=[ar,specfit,specfit_learned] > "$D/recorded-$w.log" 2>&1
   $R $FITTED > "$D/recorded-fitted-$w.log" 2>&1
+  # where the rest of the gap is: oracle estimates, oracle experts, both (draft prefetch; results.md)
+  P="methods=[specfit] prefetch=draft"
+  for costs in gpu recorded; do
+    C=$([ $costs = gpu ] && echo "$GPU" || true)
+    $R $P acceptance=learned acceptance.state_file=$D/fit-$w/learned.json predictor=oracle $C > "$D/$costs-oracle-experts-$w.log" 2>&1
+    $R $P acceptance=oracle $C > "$D/$costs-oracle-acceptance-$w.log" 2>&1
+    $R $P acceptance=oracle predictor=oracle $C > "$D/$costs-oracle-both-$w.log" 2>&1
+  done
   echo "== $w"
   tail -7 "$D/fit-$w.log" | head -5
-  for f in gpu gpu-fitted gpu-draft gpu-draft-fitted recorded recorded-fitted; do
+  for f in gpu gpu-fitted gpu-draft gpu-draft-fitted recorded recorded-fitted gpu-oracle-experts gpu-oracle-acceptance \
+           gpu-oracle-both recorded-oracle-experts recorded-oracle-acceptance recorded-oracle-both; do
     grep -E '^ *(ar|specfit|specfit_calibrated|specfit_learned|oracle) ' "$D/$f-$w.log" | sed "s/^/$f: /"
   done
 done
