@@ -129,11 +129,11 @@ def _attach_calibration(engine: Engine, prompts: Sequence[Any] | None) -> None:
         model.set_constants(load_constants(source))
         return
     path = calibration_path(engine)
-    version = stored_fit_version(path) if path.is_file() else None
-    if path.is_file() and (version is None or version >= FIT_VERSION):  # a broken file: load_constants names it
-        model.set_constants(load_constants(path))
-        return
     if path.is_file():
+        version = stored_fit_version(path)
+        if version is None or version >= FIT_VERSION:  # a broken file: load_constants names it
+            model.set_constants(load_constants(path))
+            return
         print(f"specfit: the stored calibration {path} was fitted by an older specfit "
               f"(fit version {version} < {FIT_VERSION}); measuring it again", file=sys.stderr)
     print(f"specfit: calibrating the cost model for this setup (stored in {path})", file=sys.stderr)
