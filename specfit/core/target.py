@@ -25,6 +25,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer,
                                       get_layer_types_and_kwargs)
 
+from specfit.core.features import HiddenStateTap, tap_for
 from specfit.core.offload import OffloadRuntime
 from specfit.core.tree import VerifyBlock
 from specfit.errors import ModelError
@@ -46,7 +47,8 @@ class Target:
         self.model = model
         self.runtime = runtime
         self.device = runtime.device
-        self.feature_layers: tuple[int, ...] = ()
+        self._feature_layers: tuple[int, ...] = ()
+        self._tap: HiddenStateTap | None = None
         self.cache: DynamicCache | None = None
         impl = getattr(model.config, "_attn_implementation", "eager")
         if impl not in TREE_ATTENTION:
@@ -59,6 +61,18 @@ class Target:
         self.sliding_window: int | None = None
         if "sliding" in self.layer_kinds:
             self.sliding_window = int(model.config.sliding_window)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """HF ``hidden_states`` indices each pass returns as the drafter's features (empty: none)."""
+        return self._feature_layers
+
+    @feature_layers.setter
+    def feature_layers(self, indices: Sequence[int]) -> None:
+        if self._tap is not None:
+            self._tap.remove()
+        self._feature_layers = tuple(indices)
+        self._tap = tap_for(self.model, self._feature_layers)  # None: transformers' output_hidden_states
 
     @property
     def config(self):  # noqa: ANN201 - the HF config
@@ -141,14 +155,17 @@ class Target:
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, mask: torch.Tensor | dict | None,
                  last_logits_only: bool = False) -> PassOutput:
-        want_features = bool(self.feature_layers)
+        want_features, tap = bool(self.feature_layers), self._tap
         cached = self.kv_len
+        if tap is not None:
+            tap.clear()
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=mask,
             use_cache=True,
-            output_hidden_states=sorted(set(self.feature_layers)) if want_features else False,  # only the layers needed
+            # only the layers needed (a tap hooks just those; see specfit.core.features)
+            output_hidden_states=sorted(set(self.feature_layers)) if want_features and tap is None else False,
             logits_to_keep=1 if last_logits_only else 0,
             **{self._cache_kwarg: self.cache},
         )
@@ -157,7 +174,9 @@ class Target:
         if not bool(torch.isfinite(logits).all()):
             raise self._non_finite(cached, input_ids, position_ids, mask, last_logits_only)
         features = None
-        if want_features:
+        if tap is not None:
+            features = tap.features()
+        elif want_features:
             features = torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1)
         return PassOutput(logits=logits, features=features, routing=self.runtime.routing())
 
