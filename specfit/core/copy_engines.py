@@ -86,6 +86,7 @@ class CopyTicket:
     _remaining: Callable[[], float] | None = field(default=None, repr=False)
     event: Any = None  # the copy stream's CUDA event (None off CUDA)
     waited: bool = False
+    _row: Callable[[int], CopyTicket] | None = field(default=None, repr=False)
 
     def wait(self) -> float:
         """Block (or make the compute stream wait) until the copy has landed; seconds blocked."""
@@ -102,8 +103,19 @@ class CopyTicket:
             return self._remaining()
         return 0.0
 
+    def in_flight(self) -> bool:
+        """Not waited for, and not known to have landed (a ticket that cannot tell counts as in flight)."""
+        return not self.waited and (self._remaining is None or self._remaining() > 0.0)
+
     def record(self) -> CopyRecord:
         return CopyRecord(self.experts, self.bytes, self.seconds)
+
+    def row(self, index: int) -> CopyTicket:
+        """The ticket of the batch's ``index``-th expert alone, where the engine knows when each lands
+        (the emulated link: expert i lands ``i + 1`` expert charges after the transfer starts);
+        otherwise the batch's own ticket. A layer that waits for its experts then waits for them,
+        not for the rest of a batch it may not use (a prefetch's last, least likely pick)."""
+        return self._row(index) if self._row is not None else self
 
 
 @runtime_checkable
@@ -642,17 +654,29 @@ class EmulatedLinkEngine:
         self.link_free_at = done
         self.link_busy_seconds += charge
         clock, wait_until = self.clock, self.wait_until
+        per_expert = (charge - self.latency_us * 1e-6) / inner.experts
 
-        def wait() -> float:
-            inner.wait()
-            before = clock()
-            if before >= done:
-                return 0.0
-            wait_until(done)
-            return clock() - before
+        def ticket(experts: int, nbytes: int, seconds: float, ready: float) -> CopyTicket:
+            def wait() -> float:
+                inner.wait()
+                before = clock()
+                if before >= ready:
+                    return 0.0
+                wait_until(ready)
+                return clock() - before
 
-        return CopyTicket(inner.experts, inner.bytes, charge, done, wait, lambda: max(done - clock(), 0.0),
-                          event=inner.event)
+            return CopyTicket(experts, nbytes, seconds, ready, wait, lambda: max(ready - clock(), 0.0),
+                              event=inner.event)
+
+        def row(index: int) -> CopyTicket:
+            if not 0 <= index < inner.experts:
+                raise IndexError(f"row {index} of a copy of {inner.experts} experts")
+            ready = min(done - (inner.experts - 1 - index) * per_expert, done)
+            return ticket(1, inner.bytes // inner.experts, per_expert, ready)
+
+        whole = ticket(inner.experts, inner.bytes, charge, done)
+        whole._row = row
+        return whole
 
     def copy(
         self, store: torch.Tensor, src_ids: torch.Tensor, slots: torch.Tensor, dst_slots: torch.Tensor

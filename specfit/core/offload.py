@@ -162,7 +162,7 @@ class OffloadRuntime:
         self.slot_expert = np.full((spec.num_layers, self.slots_per_layer), -1, dtype=np.int64)
         self.stats = CacheStats(union_sum=np.zeros(spec.num_layers))
         self._routing: list[torch.Tensor | None] = [None] * spec.num_layers
-        # copies not yet waited on: {slot: ticket} per layer (a ticket may cover several slots)
+        # copies not yet waited on: {slot: ticket} per layer (the slot's row of its batch's ticket)
         self._pending: list[dict[int, CopyTicket]] = [{} for _ in range(spec.num_layers)]
         # prefetched experts no pass has used yet: {slot: expert} per layer
         self._prefetched: list[dict[int, int]] = [{} for _ in range(spec.num_layers)]
@@ -307,12 +307,14 @@ class OffloadRuntime:
         return self._in_flight(layer).union(admitted.tolist())
 
     def _in_flight(self, layer: int) -> frozenset[int]:
-        """Experts of ``layer`` whose copies no round has waited for yet."""
+        """Experts of ``layer`` whose copies no round has waited for and that may not have landed.
+        One the engine knows has landed unused (a prefetch's wrong pick) may be evicted like any
+        resident expert."""
         pending = self._pending[layer]
         if not pending:
             return frozenset()
         row = self.slot_expert[layer]
-        return frozenset(int(row[slot]) for slot, t in pending.items() if not t.waited)
+        return frozenset(int(row[slot]) for slot, t in pending.items() if t.in_flight())
 
     def _cannot_prefetch(self) -> None:
         if not self._said_no_prefetch:
@@ -339,8 +341,8 @@ class OffloadRuntime:
                 prefetched[slot] = expert
         ids = torch.from_numpy(np.array(loads, dtype=np.int64).T.copy())  # [2, n]: experts, slots
         ticket = self.copy_engine.issue(host, ids[0], self.slots[layer], ids[1])
-        for _, slot in loads:
-            pending[slot] = ticket  # same copy stream / FIFO link: it lands after any earlier copy
+        for row, (_, slot) in enumerate(loads):
+            pending[slot] = ticket.row(row)  # same copy stream / FIFO link: it lands after any earlier copy
         if not count:
             return ticket
         self.stats.h2d_bytes += ticket.bytes

@@ -69,6 +69,32 @@ def test_a_transfer_completes_after_its_charge_and_lands_its_data():
     assert ticket.wait() == 0.0 and clock.waits == [pytest.approx(2.5 * MS)]  # waiting twice blocks once
 
 
+def test_each_expert_of_a_transfer_lands_on_its_own_and_is_waited_for_alone():
+    """A batch of three moves its experts in order: expert i lands (i + 1) charges after the launch,
+    so waiting for the first does not wait for the rest."""
+    clock = FakeClock()
+    link = emulated(clock)
+    store, slots = tensors()
+    whole = link.issue(store, ids(1, 2, 3), slots, ids(0, 1, 2))  # launch 0.5 ms, then 1 ms per expert
+    rows = [whole.row(i) for i in range(3)]
+    assert [r.ready_at for r in rows] == pytest.approx([1.5 * MS, 2.5 * MS, 3.5 * MS])
+    assert whole.ready_at == pytest.approx(3.5 * MS) and rows[2].ready_at == whole.ready_at
+    assert [(r.experts, r.seconds) for r in rows] == [(1, pytest.approx(1.0 * MS))] * 3
+    assert all(r.in_flight() for r in rows)
+    clock.advance(1.0 * MS)
+    assert rows[0].wait() == pytest.approx(0.5 * MS)  # its own rest, not the batch's 2.5 ms
+    assert not rows[0].in_flight() and rows[1].in_flight()
+    clock.advance(5.0 * MS)
+    assert not rows[2].in_flight()  # landed, never waited: a prefetch's wrong pick may be evicted
+    assert rows[2].wait() == 0.0
+    with pytest.raises(IndexError):
+        whole.row(3)
+    cpu = TorchCopyEngine("cpu").issue(store, ids(4), slots, ids(3))
+    assert cpu.row(0) is cpu and cpu.in_flight()  # no timing: in flight until waited, as before
+    cpu.wait()
+    assert not cpu.in_flight()
+
+
 def test_compute_overlapping_a_transfer_hides_it():
     clock = FakeClock()
     link = emulated(clock)
@@ -185,16 +211,17 @@ def test_a_prefetch_arrives_and_is_used_by_the_next_pass():
     before = runtime.stats.copy()
     assert runtime.prefetch(0, absent + absent[:1]) == 2  # duplicates and resident experts are not candidates
     arriving = runtime.arriving()
-    assert arriving[0, absent] == pytest.approx([2.5 * MS, 2.5 * MS])  # one transfer of two experts
+    # one transfer of two experts (0.5 ms launch, 1 ms each): the first lands after 1.5 ms, the second 2.5
+    assert arriving[0, absent] == pytest.approx([1.5 * MS, 2.5 * MS])
     assert runtime.prefetch(0, absent) == 0  # already in a slot
     clock.advance(1.0 * MS)
-    assert runtime.arriving()[0, absent] == pytest.approx([1.5 * MS, 1.5 * MS])
+    assert runtime.arriving()[0, absent] == pytest.approx([0.5 * MS, 1.5 * MS])
     # the next pass's layer 0 routes to the experts it routes to; make sure it needs the prefetched ones
     runtime._wait_for(0, {absent[0]: int(np.flatnonzero(runtime.slot_expert[0] == absent[0])[0])})
     during = runtime.stats.since(before)
     assert during.prefetch_issued == 2 and during.prefetch_used == 1
-    assert during.h2d_stall_seconds == pytest.approx(1.5 * MS)  # the rest of the transfer
-    assert runtime.arriving()[0, absent] == pytest.approx([0.0, 0.0])
+    assert during.h2d_stall_seconds == pytest.approx(0.5 * MS)  # the rest of its own row, not the batch's
+    assert runtime.arriving()[0, absent] == pytest.approx([0.0, 1.0 * MS])
 
 
 def test_layer_listeners_see_each_moe_layer_once_per_pass():
