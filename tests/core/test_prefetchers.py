@@ -27,7 +27,8 @@ from specfit.plugins.cost_models.union import UnionCostModel
 from specfit.plugins.predictors.history import HistoryPredictor
 from specfit.plugins.prefetchers.auto import AutoPrefetcher
 from specfit.plugins.prefetchers.draft import DraftPrefetcher
-from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher, _Router, fold_norm
+from specfit.core.router_probe import Router, fold_norm
+from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher
 from specfit.plugins.prefetchers.none import NoPrefetcher
 from specfit.plugins.selectors.eagle3 import TopByPathProbSelector
 from specfit.plugins.selectors.none import NoDraftSelector
@@ -192,9 +193,9 @@ def test_lookahead_does_not_fold_a_norm_of_another_form_or_a_biased_router():
     rms = torch.nn.RMSNorm(hidden_size, eps=1e-6)
     with torch.no_grad():
         rms.weight.uniform_(0.5, 1.5)
-    assert fold_norm(_Router(weight, None, rms), hidden_size) is not None
-    assert fold_norm(_Router(weight, torch.zeros(experts), rms), hidden_size) is None  # a bias: scaling changes top-k
-    assert fold_norm(_Router(weight, None, torch.nn.LayerNorm(hidden_size)), hidden_size) is None  # subtracts the mean
+    assert fold_norm(Router(weight, None, rms), hidden_size) is not None
+    assert fold_norm(Router(weight, torch.zeros(experts), rms), hidden_size) is None  # a bias: scaling changes top-k
+    assert fold_norm(Router(weight, None, torch.nn.LayerNorm(hidden_size)), hidden_size) is None  # subtracts the mean
 
 
 def test_a_request_of_plain_ints_and_one_of_numpy_values_are_checked_alike():

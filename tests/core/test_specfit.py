@@ -452,3 +452,27 @@ def test_rate_objective_compiles_its_kernel_when_bound(monkeypatch):
     calls.clear()
     SpecFitSelector(draft_gate=False)._warm_up()
     assert not calls
+
+
+def test_history_scores_every_node_of_a_level_as_it_would_one_at_a_time():
+    """The predictor scores a level's nodes in one array: the same top-k as the per-token formula
+    (layer-wide prior + the token's frequencies + the pair's)."""
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=4), predictor=HistoryPredictor(pair_weight=0.7),
+                    device="cpu")
+    predictor, spec = engine.predictor, engine.spec
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 12, size=200).tolist()
+    routing = np.stack([np.stack([rng.choice(spec.num_experts, spec.top_k, replace=False) for _ in range(spec.num_layers)])
+                        for _ in tokens])
+    predictor.observe(tokens, routing)
+    previous, level = [None, 3, 5, 7, 99, 2], [4, 4, 6, 7, 1, 11]  # a pair seen or not, a previous unseen
+    prior = predictor.prior * predictor.overall / predictor.overall.sum(axis=1, keepdims=True)
+    got = predictor._top_k(previous, level)
+    for p, t, row in zip(previous, level, got):
+        own = predictor.single.get(t)
+        want = prior + own / own[0].sum()
+        pair = predictor.pairs.get((p, t)) if p is not None else None
+        if pair is not None:
+            want = want + predictor.pair_weight * pair / pair[0].sum()
+        top = np.argsort(-want, axis=1, kind="stable")[:, : spec.top_k]
+        assert (np.sort(row, 1) == np.sort(top, 1)).all()

@@ -72,13 +72,15 @@ class HistoryPredictor(ExpertPredictorBase):
         self.probe = RouterProbe(target.model, spec)
         self._last_token: int | None = None
 
-    def _scores(self, previous: int | None, token: int, prior: np.ndarray) -> np.ndarray:
-        """``prior`` (the layer-wide frequencies, weighted) plus the token's and the pair's frequencies."""
-        own = self.single.get(token)
-        scores = prior + own / own[0].sum()
-        pair = self.pairs.get((previous, token)) if previous is not None else None
-        if pair is not None:
-            scores += self.pair_weight * pair / pair[0].sum()
+    def _scores(self, previous: Sequence[int | None], tokens: Sequence[int], prior: np.ndarray) -> np.ndarray:
+        """float [n, layers, experts]: ``prior`` (the layer-wide frequencies, weighted) plus each
+        token's and each (previous, token) pair's frequencies; every token has history."""
+        own = np.stack([self.single.get(t) for t in tokens])
+        scores = prior + own / own[:, 0].sum(axis=1)[:, None, None]
+        for i, (p, t) in enumerate(zip(previous, tokens)):
+            pair = self.pairs.get((p, t)) if p is not None else None
+            if pair is not None:
+                scores[i] += self.pair_weight * pair / pair[0].sum()
         return scores
 
     def _top_k(self, previous: Sequence[int | None], tokens: Sequence[int]) -> np.ndarray:
@@ -92,7 +94,7 @@ class HistoryPredictor(ExpertPredictorBase):
             out[unseen] = np.stack(self.probe.experts([tokens[i] for i in unseen]))
         if seen:
             prior = self.prior * self.overall / self.overall.sum(axis=1, keepdims=True)  # once per call
-            scores = np.stack([self._scores(previous[i], tokens[i], prior) for i in seen])  # [n, layers, experts]
+            scores = self._scores([previous[i] for i in seen], [tokens[i] for i in seen], prior)
             top = np.argpartition(-scores, self.k - 1, axis=2)[:, :, : self.k]
             order = np.argsort(-np.take_along_axis(scores, top, 2), axis=2)
             out[seen] = np.take_along_axis(top, order, 2)

@@ -47,7 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specfit.errors import ConfigError, ModelError
+from specfit.core.router_probe import fold_norm, moe_routers
+from specfit.errors import ConfigError
 from specfit.interfaces import PrefetcherBase, PrefetcherConfig
 
 SOURCES = ("own", "next", "both")
@@ -75,14 +76,6 @@ def check_lookahead_settings(source: str, per_layer: int | None, picks: int | No
             raise ConfigError(f"prefetch.{key}={value!r} must be an integer >= 1 (or null)")
 
 
-@dataclass
-class _Router:
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    norm: nn.Module  # the layer's post_attention_layernorm
-    folded: torch.Tensor | None = None  # weight x the norm's scale, when the norm may be folded (see fold_norm)
-
-
 class LookaheadPrefetcher(PrefetcherBase):
     """Prefetches each layer's experts from an earlier hidden state, during the pass."""
 
@@ -103,13 +96,7 @@ class LookaheadPrefetcher(PrefetcherBase):
         if self.picks is not None and self.picks > spec.num_experts:
             raise ConfigError(f"prefetch.picks={self.picks} is more than the model's {spec.num_experts} experts per layer")
         self.k = self.picks or spec.top_k
-        layers, routers = [], []
-        for name in spec.module_names:
-            block_name = name.rpartition(".")[0]
-            block = model.get_submodule(block_name)
-            layer = model.get_submodule(block_name.rpartition(".")[0])
-            layers.append(layer)
-            routers.append(find_router(block, layer, block_name))
+        layers, routers = moe_routers(model, spec, "prefetch=lookahead")
         if self.source in ("own", "both"):
             for router in routers:
                 router.folded = fold_norm(router, spec.hidden_size)
@@ -155,38 +142,6 @@ class LookaheadPrefetcher(PrefetcherBase):
         if self.per_layer is not None:
             order = order[: self.per_layer]
         self.sink.prefetch(layer, order)
-
-
-def fold_norm(router: _Router, hidden_size: int) -> torch.Tensor | None:
-    """The router's weight with the norm's per-channel scale folded in, when that gives the same
-    picks: the norm is a positive per-token factor times ``x * scale`` (RMSNorm; checked on probe
-    rows) and the router has no bias, so top-k of ``x @ (weight * scale).T`` is top-k of
-    ``norm(x) @ weight.T`` up to rounding (a prediction either way). One matmul instead of the
-    norm's five ops; None when the norm is of another form."""
-    scale = getattr(router.norm, "weight", None)
-    if router.bias is not None or not isinstance(scale, torch.Tensor) or tuple(scale.shape) != (hidden_size,):
-        return None
-    probe = torch.randn(4, hidden_size, generator=torch.Generator().manual_seed(0)).to(scale.device)
-    with torch.no_grad():
-        normed = router.norm(probe.to(scale.dtype)).float()
-        unscaled = probe * scale.float()
-        factor = (normed * unscaled).sum(-1) / (unscaled * unscaled).sum(-1).clamp_min(1e-30)
-        if not bool((factor > 0).all()) or not torch.allclose(normed, factor[:, None] * unscaled, rtol=1e-2, atol=1e-5):
-            return None
-        return (router.weight.float() * scale.float()).to(router.weight.dtype)
-
-
-def find_router(block: nn.Module, layer: nn.Module, where: str) -> _Router:
-    """A MoE block's router weight (``gate``, or gpt-oss's ``router``) and its layer's norm."""
-    router = getattr(block, "gate", None)
-    if router is None:
-        router = getattr(block, "router", None)
-    norm = getattr(layer, "post_attention_layernorm", None)
-    weight = getattr(router, "weight", None)
-    if not isinstance(weight, torch.Tensor) or norm is None:
-        raise ModelError(f"prefetch=lookahead: cannot find the router (gate) and post_attention_layernorm of {where}")
-    bias = getattr(router, "bias", None)
-    return _Router(weight, bias if isinstance(bias, torch.Tensor) else None, norm)
 
 
 def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
