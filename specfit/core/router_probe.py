@@ -8,8 +8,8 @@ but specific to the token and available with no history. Results are cached per 
 
 Where every layer's norm is an RMSNorm and no router has a bias, the norms' scales fold into the
 routers (:func:`fold_norm`) and the probe is one matmul and one top-k for all layers at once,
-instead of a norm, a matmul and a top-k per layer: on the demo target (6 layers) 0.3 ms per call
-became about 0.05. The lookahead prefetcher folds the same way, one layer at a time.
+instead of a norm, a matmul and a top-k per layer: on the demo target (6 layers, 8 unseen tokens
+a call) 350 us per call became 90. The lookahead prefetcher folds the same way, one layer at a time.
 """
 
 from __future__ import annotations
