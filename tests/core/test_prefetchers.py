@@ -369,6 +369,21 @@ def test_draft_prefetch_orders_by_benefit_and_bounds_each_layer_by_the_link():
     assert pf.plan(two_level_tree(), [0], resident) == []
 
 
+def test_draft_prefetch_plans_nothing_for_the_rest_of_a_cycle_once_every_layer_overflows():
+    """EAGLE-3's 60-node selections overflow every layer's slots, so no copy is planned; the deeper
+    levels of that cycle then skip the planning, and the next cycle plans again."""
+    resident = np.zeros((3, 8), dtype=bool)
+    pf = DraftPrefetcher(min_benefit=0.05)
+    pf.bind(None, FakeSink(expert_s=0.0, layer_s=2.0, slots=3))
+    tree = two_level_tree()
+    assert pf.plan(tree, [0], resident) == []  # 3.8 experts expected per layer, 3 slots
+    tree.add_level([0], [7], [np.log(0.5)])
+    tree.expert_rows(3, 2)
+    pf.sink.slots = 8  # room now, but this cycle's pass is already known to overflow
+    assert pf.plan(tree, [0, 2], resident) == []
+    assert pf.plan(two_level_tree(), [0], resident) != []  # a new cycle (its first level) plans again
+
+
 # --------------------------------------------------------------------------- replay
 
 

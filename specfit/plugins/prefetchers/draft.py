@@ -11,7 +11,9 @@ FIFO link: the first layer's copies must land first), most beneficial first, as 
 deliver before that layer runs (the drafting still to come, taken as the last level's time, plus
 the pass's compute up to the layer, minus what the link has queued) and no more than the layer's
 slots not holding an expert the pass is likely to use (a copy evicts one); none at all for a layer
-whose expected union exceeds its slots (the pass streams it in rounds and would evict them first:
+whose expected union exceeds its slots (once every layer's does, the rest of the cycle plans
+nothing: EAGLE-3's 60-node selections spent host time on plans that copied nothing; the pass
+streams such a layer in rounds and would evict the copies first:
 measured on the demo pair with EAGLE-3's trees and 8 slots, 658 prefetches, 547 of them used,
 left the misses unchanged, 1432 against 1433, and only added link time; again with pipelined
 rounds, which compute resident experts first: 2510 prefetches, 2151 used, 7039 misses against
@@ -60,6 +62,7 @@ class DraftPrefetcher(PrefetcherBase):
     def __init__(self, min_benefit: float = 0.2, max_per_layer: int | None = None, fallback_nodes: int = 4) -> None:
         self.min_benefit, self.max_per_layer, self.fallback_nodes = min_benefit, max_per_layer, fallback_nodes
         self._tree_id: int | None = None
+        self._saturated = False  # this cycle's pass was expected to overflow every layer's slots
         self._last_level_at = 0.0
         self._level_seconds = 0.0  # drafting time of one level (the last one measured)
 
@@ -80,10 +83,12 @@ class DraftPrefetcher(PrefetcherBase):
         sink = self.sink
         now = sink.now()
         if id(tree) != self._tree_id or tree.depth <= 1:  # a new cycle: the level's time from the last one
-            self._tree_id = id(tree)
+            self._tree_id, self._saturated = id(tree), False
         else:
             self._level_seconds = max(now - self._last_level_at, 0.0)
         self._last_level_at = now
+        if self._saturated:  # a deeper level verifies as much or more: no layer will have room
+            return [], []
         expected = expected_use(tree, predicted, self.fallback_nodes, *resident.shape)
         if expected is None:
             return [], []  # no predictor: nothing is known of the experts
@@ -98,7 +103,10 @@ class DraftPrefetcher(PrefetcherBase):
         room_in_cache = slots - useful_present.sum(axis=1)
         # a layer whose pass is expected to use more experts than it has slots streams them through
         # in rounds: what a prefetch copies is evicted again before it is used, so leave it alone
-        room_in_cache[benefit.sum(axis=1) > slots] = 0
+        overflowing = benefit.sum(axis=1) > slots
+        room_in_cache[overflowing] = 0
+        if overflowing.all() and len(predicted) > 0:  # EAGLE-3's trees: nothing to plan for the rest of the cycle
+            self._saturated = True
         benefit = np.where(present, 0.0, benefit)
         expert_s = sink.expert_seconds()
         layer_s = sink.layer_seconds(len(predicted) + 1)
