@@ -49,6 +49,17 @@ def tiny_model(name: str = "tiny-qwen3-moe", seed: int = 0, **overrides) -> torc
     return copy.deepcopy(_MODELS[key])
 
 
+def tiny_model_with_scaled_norms() -> torch.nn.Module:
+    """The tiny Qwen3-MoE with its post-attention norms' scales drawn in [0.2, 3]: a router fold
+    that drops the scales picks other experts on it."""
+    model = tiny_model()
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("post_attention_layernorm"):
+                module.weight.uniform_(0.2, 3.0, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
 @pytest.fixture
 def make_model():
     return tiny_model

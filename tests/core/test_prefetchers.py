@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import tiny_model, tiny_model_with_scaled_norms
 from drafters import ScriptedDrafter
 
 import specfit
@@ -156,11 +156,7 @@ def test_lookahead_picks_sets_how_many_experts_each_token_prefetches():
 
 def test_lookahead_folds_the_rmsnorm_into_the_router_and_picks_the_same_experts():
     """``own`` computes top-k of x @ (router x norm scale).T: the same picks as norm then router."""
-    model = tiny_model()
-    with torch.no_grad():  # scales other than ones, so a fold that drops them is caught
-        for name, module in model.named_modules():
-            if name.endswith("post_attention_layernorm"):
-                module.weight.uniform_(0.2, 3.0, generator=torch.Generator().manual_seed(len(name)))
+    model = tiny_model_with_scaled_norms()  # a fold that drops the norms' scales is caught
     engine = Engine(model, cache=LRUCache(capacity=3), prefetcher=LookaheadPrefetcher(), device="cpu",
                     selector=NoDraftSelector())
     routers = engine.prefetcher.routers

@@ -3,7 +3,7 @@ router pick; a model whose routers cannot be folded (a bias) is probed layer by 
 
 import numpy as np
 import torch
-from conftest import tiny_model
+from conftest import tiny_model, tiny_model_with_scaled_norms
 
 from specfit.core.moe import find_experts, moe_spec
 from specfit.core.router_probe import RouterProbe, _scores
@@ -17,11 +17,7 @@ def _per_layer(probe: RouterProbe, tokens: list[int]) -> np.ndarray:
 
 
 def test_the_stacked_probe_picks_what_each_layer_picks():
-    model = tiny_model()
-    with torch.no_grad():  # scales other than ones, so a fold that drops them is caught
-        for name, module in model.named_modules():
-            if name.endswith("post_attention_layernorm"):
-                module.weight.uniform_(0.2, 3.0, generator=torch.Generator().manual_seed(len(name)))
+    model = tiny_model_with_scaled_norms()  # a fold that drops the norms' scales is caught
     probe = RouterProbe(model, moe_spec(model, find_experts(model)))
     assert probe.stacked is not None
     tokens = list(range(model.config.vocab_size))
