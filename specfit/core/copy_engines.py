@@ -671,7 +671,7 @@ class EmulatedLinkEngine:
         def row(index: int) -> CopyTicket:
             if not 0 <= index < inner.experts:
                 raise IndexError(f"row {index} of a copy of {inner.experts} experts")
-            ready = min(done - (inner.experts - 1 - index) * per_expert, done)
+            ready = done - (inner.experts - 1 - index) * per_expert  # the last row lands when the batch does
             return ticket(1, inner.bytes // inner.experts, per_expert, ready)
 
         whole = ticket(inner.experts, inner.bytes, charge, done)

@@ -87,7 +87,7 @@ class DraftPrefetcher(PrefetcherBase):
         else:
             self._level_seconds = max(now - self._last_level_at, 0.0)
         self._last_level_at = now
-        if self._saturated:  # a deeper level verifies as much or more: no layer will have room
+        if self._saturated:  # a deeper level's selection rarely verifies less: no layer is expected to have room
             return [], []
         expected = expected_use(tree, predicted, self.fallback_nodes, *resident.shape)
         if expected is None:
