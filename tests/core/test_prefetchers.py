@@ -107,7 +107,7 @@ def test_output_is_ar_output_for_every_prefetcher_cache_and_method(prefetcher, c
         assert issued["ar"] == (0, 0) and issued["eagle3"][0] > 0 and issued["specfit"][0] > 0, issued
 
 
-@pytest.mark.parametrize("source", ["own", "next", "both"])
+@pytest.mark.parametrize("source", ["own", "next", "both", "fitted"])
 def test_lookahead_next_prefetches_queue_behind_the_layers_own_copies(source):
     """``next`` asks for layer l+1's experts once layer l has issued its own copies, so on the FIFO
     link they never delay the layer computing now; every source keeps AR's output."""

@@ -16,7 +16,7 @@ from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher, check_loo
 @dataclass
 class AutoPrefetcherConfig(PrefetcherConfig):
     name: str = "auto"
-    source: str = "own"  # lookahead's: own | next | both
+    source: str = "fitted"  # lookahead's: fitted | own | next | both
     per_layer: int | None = None  # lookahead's cap per layer and pass
     picks: int | None = None  # lookahead's experts per token (null: the model's top-k)
     min_benefit: float = 0.2  # draft's: skip experts used with a lower probability
@@ -34,7 +34,7 @@ class AutoPrefetcher(PrefetcherBase):
     name = "auto"
     Config = AutoPrefetcherConfig
 
-    def __init__(self, source: str = "own", per_layer: int | None = None, min_benefit: float = 0.2,
+    def __init__(self, source: str = "fitted", per_layer: int | None = None, min_benefit: float = 0.2,
                  max_per_layer: int | None = None, picks: int | None = None) -> None:
         self.lookahead = LookaheadPrefetcher(source=source, per_layer=per_layer, picks=picks)
         self.draft = DraftPrefetcher(min_benefit=min_benefit, max_per_layer=max_per_layer)

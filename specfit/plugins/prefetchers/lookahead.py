@@ -1,40 +1,42 @@
 """Hidden-state look-ahead (mixtral-offloading, "Speculating Experts"): routers applied early.
 
-Two predictors, both live (they read the pass's hidden states; a trace replay has none):
+The predictors, all live (they read the pass's hidden states; a trace replay has none):
 
-- ``own`` (the default): when decoder layer l starts (before attention), apply layer l's own
+- ``fitted`` (the default): when MoE layer l has issued its own copies (the runtime's layer
+  listener, with the experts' input, already normalised), predict layer l+1's router logits from
+  it with :class:`specfit.core.next_router.NextLayerRouter`, a linear map of the two routers'
+  logits fitted online on the target's own passes (before any data: layer l+1's raw router, the
+  mixtral-offloading predictor); the copies queue behind layer l's on the FIFO link and travel
+  while layer l computes and layer l+1 attends. The first layer, which has no layer before it,
+  uses ``own``;
+- ``own``: when decoder layer l starts (before attention), apply layer l's own
   ``post_attention_layernorm`` and router to its input; the copies overlap layer l's attention;
-- ``next``: when MoE layer l has issued its own copies (the runtime's layer listener, with the
-  experts' input, already normalised), apply layer l+1's router to it; the copies queue behind
-  layer l's on the FIFO link and overlap layer l's expert compute and layer l+1's attention;
+- ``next``: ``fitted`` without the fit: layer l+1's raw router on layer l's expert input;
 - ``both``: ``next`` early, then ``own`` adds what it still misses.
 
-Measured on the demo pair (AR, ``cache=lru cache.capacity=8 cache.copy=emulated``, 4 held-out
-prompts x 32 tokens x 2, interleaved, a shared 2-core machine): no prefetch 1105 demand misses,
-8.9 ms stall and 3.4 ms link time per token; ``next`` 730 misses (632 of 978 prefetches used),
-7.4 ms stall, 5.3 ms link; ``own`` 268 misses (1021 of 1222 used), 4.9 ms stall, 4.6 ms link;
-``both`` 314 misses (1181 of 1591 used), 4.6 ms stall, 5.9 ms link and the most hook time. ``own``
-removes three quarters of the demand misses with the fewest wasted copies, hence the default.
-(``next`` then asked before the layer's own copies, which it delayed; it now asks after them.
-Re-measured so, ``specfit bench`` on prose and GSM, 4 prompts x 2 x 48 tokens, one run: ``both``
-cuts the stall further than ``own``, 1.26 -> 0.96 and 1.09 -> 0.78 ms per token, but moves 27-36%
-more over the link at precision 0.70-0.72 against 0.81-0.82, and ran at 1.02x / 1.05x AR against
-``own``'s 1.05x / 1.09x on this CPU, where every copy is a real memcpy: ``own`` stays the default.)
-On a quieter run (same setup, ``prefetch=auto``): stall 2.63 -> 1.09 ms per token, but time per
-token 11.86 -> 11.90 ms: on a CPU the copies (the emulated link's real memcpy and its bookkeeping,
-1224 prefetches for 1021 used) and the hooks (about 0.8 ms per token) cost the host the time the
-hidden stall saved. Since then the hook folds the norm into the router (about 4x cheaper per call)
-and a CPU copy is a plain memcpy: host CPU time per token of AR with ``prefetch=auto`` over AR
-without, the same process and prompts, fell from 2.3-2.5 to 0.3-0.8 ms (two runs of 4 prompts x
-48 tokens, with and without the link's waits; a loaded machine, so the figures are relative).
+Why ``fitted``: ``own`` picks well (top-4 recall 0.77-0.88 on the demo target) but its copies have
+only one layer's attention to travel in; the raw ``next`` has a whole layer but recalls less
+(0.75-0.84, and 0.21-0.26 on layer 1); fitted, it recalls about what ``own`` does (0.70-0.86
+after a few hundred tokens) with the longer lead. Measured on the demo pair (AR, ``cache=lru
+cache.capacity=8 cache.copy=emulated``, 4 held-out prompts per workload x 2 x 48 tokens, in one
+process, interleaved, 2026-12-04): time per token 8.17 ms without prefetch, 7.78 with ``own``
+(1.05x), 7.34-7.38 with ``fitted`` (1.11x); stall 2.96, 2.08, 1.48 ms per token; the raw
+``next`` 1.04x. Taking fewer picks from the fitted predictor (``picks=3``) moved within noise,
+adding ``own`` on every layer to ``fitted`` gave 1.06x (more copies on a link that is already
+busy).
+
+Earlier measurements of the other sources (same setup, 2026-12-03): ``own`` removed three quarters
+of the demand misses with the fewest wasted copies; ``both`` cut the stall further than ``own``
+(1.26 -> 0.96 ms per token on prose) but moved 27-36% more over the link at precision 0.70-0.72
+against 0.81-0.82 and ran slower on this CPU, where every copy is a real memcpy. ``picks`` above
+the model's top-k only hurt: stall per token 1.32 ms with the top 4 of ``own``, 1.53 / 2.18 / 2.89
+with 5 / 6 / 8, since the extra copies evict experts the next tokens use and queue ahead of the
+demand copies on the FIFO link.
+
 Every token of the pass counts (AR steps, prefill and verification passes alike); each layer's
-experts go to the link most-picked first, at most ``per_layer`` of them. ``picks`` takes more than
-the model's top-k per token: on the demo pair (AR, capacity 8, 4 prompts x 2 x 48 tokens in one
-process, 2026-12-03) stall per token was 1.32 ms with the top 4, 1.53 / 2.18 / 2.89 with 5 / 6 / 8
-(AR without prefetch 2.86) and speed fell with it: the extra copies evict experts the next tokens
-use and queue ahead of the demand copies on the FIFO link. ``own`` folds an RMSNorm's
-scale into the router weight (:func:`fold_norm`): a positive factor per token does not change its
-top-k, so the hook is one matmul, a top-k and one host read.
+experts go to the link most-picked first, at most ``per_layer`` of them. ``own`` folds an
+RMSNorm's scale into the router weight (:func:`fold_norm`): a positive factor per token does not
+change its top-k, so the hook is one matmul, a top-k and one host read.
 """
 
 from __future__ import annotations
@@ -47,17 +49,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specfit.core.next_router import NextLayerRouter
 from specfit.core.router_probe import fold_norm, moe_routers
 from specfit.errors import ConfigError
 from specfit.interfaces import PrefetcherBase, PrefetcherConfig
 
-SOURCES = ("own", "next", "both")
+SOURCES = ("fitted", "own", "next", "both")
 
 
 @dataclass
 class LookaheadPrefetcherConfig(PrefetcherConfig):
     name: str = "lookahead"
-    source: str = "own"  # own | next | both (see specfit.plugins.prefetchers.lookahead)
+    source: str = "fitted"  # fitted | own | next | both (see specfit.plugins.prefetchers.lookahead)
     per_layer: int | None = None  # the most experts prefetched per layer and pass (null: all it picks)
     # experts each token takes from the early router (null: the model's top-k); more raises recall
     # at the cost of link time and slots
@@ -82,7 +85,7 @@ class LookaheadPrefetcher(PrefetcherBase):
     name = "lookahead"
     Config = LookaheadPrefetcherConfig
 
-    def __init__(self, source: str = "own", per_layer: int | None = None, picks: int | None = None) -> None:
+    def __init__(self, source: str = "fitted", per_layer: int | None = None, picks: int | None = None) -> None:
         check_lookahead_settings(source, per_layer, picks)
         self.source, self.per_layer, self.picks = source, per_layer, picks
         self.handles: list[Any] = []
@@ -97,7 +100,7 @@ class LookaheadPrefetcher(PrefetcherBase):
             raise ConfigError(f"prefetch.picks={self.picks} is more than the model's {spec.num_experts} experts per layer")
         self.k = self.picks or spec.top_k
         layers, routers = moe_routers(model, spec, "prefetch=lookahead")
-        if self.source in ("own", "both"):
+        if self.source in ("own", "both", "fitted"):
             for router in routers:
                 router.folded = fold_norm(router, spec.hidden_size)
                 if router.folded is not None and router.folded.device.type == "cpu":
@@ -105,14 +108,26 @@ class LookaheadPrefetcher(PrefetcherBase):
         self.routers = routers
         if self.source in ("next", "both"):
             target.runtime.add_layer_listener(self._next)
-        if self.source in ("own", "both"):
-            for index, layer in enumerate(layers):
-                self.handles.append(layer.register_forward_pre_hook(self._own_hook(index), with_kwargs=True))
+        if self.source == "fitted":
+            self.fitted = NextLayerRouter(routers)
+            target.runtime.add_layer_listener(self._fitted_next)
+        own_layers = {"own": layers, "both": layers, "fitted": layers[:1]}.get(self.source, [])
+        for index, layer in enumerate(own_layers):
+            self.handles.append(layer.register_forward_pre_hook(self._own_hook(index), with_kwargs=True))
 
     def _next(self, layer: int, hidden: torch.Tensor) -> None:
         """The runtime's layer listener: layer l's expert input, after l's own copies were issued."""
         if layer + 1 < len(self.routers):
             self.sink.run("lookahead (next)", self._prefetch, layer + 1, hidden, False)
+
+    def _fitted_next(self, layer: int, hidden: torch.Tensor) -> None:
+        """The runtime's layer listener: learn from layer l's expert input, prefetch layer l+1's picks."""
+        self.sink.run("lookahead (fitted)", self._prefetch_fitted, layer, hidden)
+
+    def _prefetch_fitted(self, layer: int, hidden: torch.Tensor) -> None:
+        scores = self.fitted.observe(layer, hidden)
+        if scores is not None:
+            self._prefetch_scores(layer + 1, scores)
 
     def _own_hook(self, index: int):  # noqa: ANN202 - a forward pre-hook
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -133,11 +148,15 @@ class LookaheadPrefetcher(PrefetcherBase):
             if normalise:
                 x = router.norm(x)
             scores = F.linear(x.to(router.weight.dtype), router.weight, router.bias)
+        self._prefetch_scores(layer, scores)
+
+    def _prefetch_scores(self, layer: int, scores: torch.Tensor) -> None:
+        """Prefetch the top-k of every token's ``scores`` [tokens, E] for ``layer``, most picked first."""
         picks = torch.topk(scores, self.k, dim=-1).indices
         if picks.shape[0] == 1:
             order = picks[0].tolist()
         else:
-            counts = np.bincount(picks.cpu().reshape(-1).numpy(), minlength=router.weight.shape[0])
+            counts = np.bincount(picks.cpu().reshape(-1).numpy(), minlength=scores.shape[-1])
             order = np.argsort(-counts, kind="stable")[: np.count_nonzero(counts)].tolist()
         if self.per_layer is not None:
             order = order[: self.per_layer]
