@@ -14,7 +14,7 @@ seed, scored on 8 others, teacher-forced; top-4 recall of layer l+1's picks, lay
 - raw router on layer l's input: prose 0.26 / 0.81 / 0.80 / 0.83 / 0.84, GSM 0.21 / 0.75 / 0.77 /
   0.80 / 0.77 (layer 1 reads the embedding layer's state, which its router was not trained on);
 - fitted, after 150 tokens: prose 0.68-0.84, GSM 0.70-0.83; after 600: prose 0.71-0.86, GSM
-  0.73-0.83; with all 192 hidden dims as features instead, 0.74-0.87, but only after thousands;
+  0.73-0.83; with all 192 hidden dims as features instead, 0.76-0.87, but only after thousands;
 - for reference, layer l+1's own router on its input before attention (``source=own``, whose
   copies have only that attention to travel in): prose 0.81-0.88, GSM 0.77-0.87.
 
