@@ -3,6 +3,7 @@ true map once the data determine it, samples paired only within complete passes.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specfit.core.next_router import NextLayerRouter
@@ -71,3 +72,31 @@ def test_it_refits_each_time_its_samples_double():
             nr.observe(layer, torch.randn(40, H))
         fits.append(nr.fitted_at[0])
     assert fits == [40, 80, 80, 160, 160, 160, 160, 320, 320, 320]
+
+
+@pytest.mark.parametrize("family", ["tiny-qwen3-moe", "tiny-olmoe", "tiny-mixtral", "tiny-qwen3-next", "tiny-gpt-oss"])
+def test_fitted_lookahead_keeps_ar_output_and_learns_on_every_builtin_family(family):
+    """Every family's routers (gpt-oss's with a bias) feed the fit; prefetches are issued and used;
+    greedy output is Hugging Face's."""
+    from conftest import tiny_model
+
+    from specfit import Engine
+    from specfit.plugins.caches.lru import LRUCache
+    from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher
+    from specfit.plugins.selectors.none import NoDraftSelector
+
+    prompt, n = [5, 17, 99, 3, 42, 8, 120, 77] * 5, 24
+    attention = {"tiny-gpt-oss": {"attn_implementation": "eager"}}.get(family, {})
+    with torch.no_grad():
+        expected = tiny_model(family, **attention).generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                                               do_sample=False)[0, len(prompt):].tolist()
+    prefetcher = LookaheadPrefetcher()
+    model = tiny_model(family, **attention)
+    # the fewest slots (top-k): every step misses, so there is something to prefetch
+    engine = Engine(model, cache=LRUCache(capacity=model.config.num_experts_per_tok), prefetcher=prefetcher,
+                    device="cpu", selector=NoDraftSelector())
+    out = engine.generate(prompt, max_new_tokens=n)
+    assert out.token_ids == expected
+    assert out.stats["prefetch_issued"] > 0 and out.stats["prefetch_used"] > 0
+    assert prefetcher.source == "fitted" and min(prefetcher.fitted.fitted_at) > 0  # the prefill gave a fit
+
