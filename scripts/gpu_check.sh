@@ -7,11 +7,12 @@
 #   2. pinned-host-to-device bandwidth of the copy engines for Qwen3-30B-A3B-sized experts, against
 #      one contiguous cudaMemcpy of the same bytes,
 #   3. losslessness on CUDA (tests/core/test_cuda.py: every architecture x cache x copy engine),
-#   4. one `specfit bench` of AR / EAGLE-3 / SpecFit with offloading and real transfers (no emulation)
+#   4. one `specfit bench` of AR / AR + prefetch / EAGLE-3 / SpecFit with offloading and real transfers (no emulation)
 #      on the demo pair, per copy engine,
 #   5. real copy/compute overlap of the asynchronous copy engines (scripts/overlap_check.py): a pass of
 #      layers whose next layer's experts are copied while this layer computes, against the same copies
-#      and compute in series; hidden_fraction 1.0 = the smaller of the two fully hidden.
+#      and compute in series; hidden_fraction 1.0 = the smaller of the two fully hidden,
+#   6. the fitted next-layer router's cost at Qwen3-30B-A3B's router dims (scripts/next_router_cost.py).
 # Everything goes to one results folder, ${OUT:-gpu-results}/ (NAME.txt per step, JSONL beside it).
 # The whole run stays under BUDGET seconds (default 570, under 10 minutes): each step runs with a
 # timeout of its cap or what is left, whichever is less; a step the budget no longer allows is
@@ -89,9 +90,10 @@ step 100 1-real-dims-fp32 $PY -m specfit.bench.real_dims --device "$DEVICE" --wo
 step 60 2-h2d-bandwidth $PY -m specfit.bench.h2d_bandwidth --out "$OUT/h2d_bandwidth.jsonl" "${H2D[@]}"
 step 120 3-test-cuda $PY -m pytest -q -p no:cacheprovider tests/core/test_cuda.py
 for copy in $COPIES; do
-  step 120 "4-bench-$copy" $PY -m specfit.cli bench model=demo workloads=[prose] methods=[ar,eagle3,specfit] \
+  step 120 "4-bench-$copy" $PY -m specfit.cli bench model=demo workloads=[prose] methods=[ar,ar_prefetch,eagle3,specfit] \
     "${BENCH[@]}" cache.copy="$copy" model.device="$DEVICE" hydra.run.dir="$OUT/bench-$copy"
 done
 step 90 5-overlap $PY scripts/overlap_check.py --device "$DEVICE" --copies "$(echo $COPIES | tr ' ' ,)" \
   --out "$OUT/overlap.jsonl" "${OVERLAP[@]}"
+step 30 6-next-router $PY scripts/next_router_cost.py --device "$DEVICE"
 echo "== done in ${SECONDS}s; results in $OUT/"

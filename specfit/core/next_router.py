@@ -116,9 +116,10 @@ class NextLayerRouter:
         e = self.experts
         for index, source in enumerate(logits):
             target = logits[index + 1][:, e:] if index + 1 < len(logits) else last
-            f = torch.cat([source.double(), torch.ones_like(source[:, :1], dtype=torch.float64)], dim=1)
-            self.gram[index].addmm_(f.T, f)
-            self.cross[index].addmm_(f.T, target.double())
+            # one batch's sums in float32 (at most a pass or a buffer of rows), accumulated in float64
+            f = torch.cat([source, torch.ones_like(source[:, :1])], dim=1)
+            self.gram[index] += (f.T @ f).double()
+            self.cross[index] += (f.T @ target).double()
             self.samples[index] += f.shape[0]
             if self.samples[index] >= self.first_fit and self.samples[index] >= 2 * self.fitted_at[index]:
                 self.fit(index)
