@@ -21,8 +21,15 @@ seed, scored on 8 others, teacher-forced; top-4 recall of layer l+1's picks, lay
 The ridge strength (``ridge``, relative to the features' mean square) moved these by at most 0.03
 between 1e-4 and 1e-1. Every pass that goes through the runtime is a training sample (prefill, AR
 steps, verification passes alike): the runtime's layer listener gives each layer's expert input,
-so the fit needs no data, file or training step of its own. Samples are buffered and folded into
-each layer's normal equations in batches; a layer refits whenever its samples have doubled.
+so the fit needs no data, file or training step of its own. A pass of at least ``first_fit``
+tokens (a prefill, a big tree) goes into the normal equations pair by pair as its layers arrive;
+shorter passes are buffered and folded in ``batch`` rows at a time. A pair refits whenever its
+samples have doubled (at most every ``max_interval`` samples), one pair per pass, so no pass pays
+for all of them; nothing here waits for the device.
+
+What it predicts is the router's raw logits, whose top-k is the pick of a softmax router (Qwen3,
+Mixtral, OLMoE, gpt-oss). A router that ranks by something else (DeepSeek-V3's sigmoid scores
+with a correction bias and group-limited choice) is predicted only approximately.
 """
 
 from __future__ import annotations
@@ -37,21 +44,29 @@ class NextLayerRouter:
 
     Call :meth:`observe` with every MoE layer's expert input of a pass, in layer order; it returns
     the predicted logits of the next layer (None for the last layer). A pass that skips a layer
-    (an error mid-pass) pairs nothing across the gap.
+    (an error mid-pass) pairs nothing across the gap. Needs at least two MoE layers.
     """
 
-    def __init__(self, routers: list[Router], ridge: float = 1e-2, first_fit: int = 32, batch: int = 256) -> None:
+    def __init__(self, routers: list[Router], ridge: float = 1e-2, first_fit: int = 32, batch: int = 64,
+                 max_interval: int = 4096) -> None:
+        if len(routers) < 2:
+            raise ValueError("a next-layer router needs at least two MoE layers")
+        if not 1 <= first_fit <= batch:
+            raise ValueError(f"first_fit={first_fit} must be in 1..batch={batch}")
         self.layers = len(routers)
-        weights = [r.weight.detach().float() for r in routers]
+        device = routers[0].weight.device
+        # fp32 on a CPU (its bf16 matmul is ~3x slower); the routers' own dtype on a GPU (memory)
+        dtype = torch.float32 if device.type == "cpu" else routers[0].weight.dtype
+        weights = [r.weight.detach().to(dtype) for r in routers]
         e = self.experts = weights[0].shape[0]
-        biases = [r.bias.detach().float() if r.bias is not None else None for r in routers]
+        biases = [r.bias.detach().to(dtype) if r.bias is not None else None for r in routers]
         # both routers' logits in one matmul: layer l+1's (the prediction's inputs), then layer l's
         # (also the training target of the pair before)
         self.project = [torch.cat([weights[l + 1], weights[l]]).T.contiguous() for l in range(self.layers - 1)]
-        self.offset = [None if biases[l] is None else torch.cat([biases[l + 1], biases[l]])
+        self.offset = [None if biases[l + 1] is None else torch.cat([biases[l + 1], biases[l]])
                        for l in range(self.layers - 1)]
         self.last, self.last_bias = weights[-1].T.contiguous(), biases[-1]
-        device = weights[0].device
+        self.dtype = dtype
         d = 2 * e + 1
         self.prior = torch.zeros(d, e, dtype=torch.float64, device=device)
         self.prior[:e] = torch.eye(e, dtype=torch.float64, device=device)
@@ -62,74 +77,96 @@ class NextLayerRouter:
         self.cross = [torch.zeros(d, e, dtype=torch.float64, device=device) for _ in range(pairs)]
         self.samples = [0] * pairs
         self.fitted_at = [0] * pairs
-        self.ridge, self.first_fit, self.batch = ridge, first_fit, batch
-        # buffered samples: each layer's logits [rows, 2E] of the passes not yet folded in; the
-        # last layer's own logits [rows, E]
-        self._rows = 0
-        self._buffer = [torch.empty(batch, 2 * e, device=device) for _ in range(pairs)]
-        self._last_buffer = torch.empty(batch, e, device=device)
-        self._logits: list[torch.Tensor | None] = [None] * self.layers
+        self.ridge, self.first_fit, self.batch, self.max_interval = ridge, first_fit, batch, max_interval
+        # short passes' pairs, buffered: features (layer l's logits) and targets (layer l+1's own)
+        self._rows = 0  # rows of complete passes in the buffers
+        self._sources = torch.empty(pairs, batch, 2 * e, device=device)
+        self._targets = torch.empty(pairs, batch, e, device=device)
+        self._previous: torch.Tensor | None = None  # this pass's logits of the layer before
         self._expect = 0  # the layer the next call should be
+        self._at = 0  # this pass's first buffer row; -1: a long pass, folded directly
+        self._pass_rows, self._complete = 0, False  # this pass's tokens; every layer so far in order
+        self._due: list[int] = []  # pairs whose samples doubled since their fit, refitted one a pass
 
     def observe(self, layer: int, hidden: torch.Tensor) -> torch.Tensor | None:
         """Layer ``layer``'s expert input ``hidden`` [tokens, H]: learn from it, and predict layer
         ``layer + 1``'s router logits [tokens, E] (None after the last layer)."""
-        x = hidden.reshape(-1, hidden.shape[-1]).float()
-        if layer != self._expect:  # a pass that did not reach every layer: start again at its layer 0
-            self._logits = [None] * self.layers
-        self._expect = (layer + 1) % self.layers
+        x = hidden.reshape(-1, hidden.shape[-1]).to(self.dtype)
+        if layer != self._expect:  # a pass that did not reach every layer: start again at its layer
+            self._previous, self._complete = None, False
+        if layer == 0:
+            self._begin_pass(x.shape[0])
         if layer + 1 == self.layers:
-            last = x @ self.last if self.last_bias is None else torch.addmm(self.last_bias, x, self.last)
-            self._logits[layer] = last
+            own = x @ self.last if self.last_bias is None else torch.addmm(self.last_bias, x, self.last)
+            logits = None
+        else:
+            project, offset = self.project[layer], self.offset[layer]
+            logits = x @ project if offset is None else torch.addmm(offset, x, project)
+            own = logits[:, self.experts:]
+        if self._previous is not None and layer > 0:
+            self._learn(layer - 1, self._previous, own)
+        self._previous, self._expect = logits, (layer + 1) % self.layers
+        if logits is None:
             self._end_pass()
             return None
-        project, offset = self.project[layer], self.offset[layer]
-        logits = x @ project if offset is None else torch.addmm(offset, x, project)
-        self._logits[layer] = logits
+        logits = logits.float()
         return torch.addmm(self.bias[layer], logits, self.weight[layer])
 
-    def _end_pass(self) -> None:
-        """A complete pass: buffer its samples (every layer's logits), folding the buffer in when full."""
-        logits, self._logits = self._logits, [None] * self.layers
-        if any(t is None for t in logits):
-            return
-        rows = logits[0].shape[0]
-        if rows >= self.first_fit:  # a long pass (a prefill, a big tree): straight into the normal equations
-            self._fold(logits[:-1], logits[-1])
+    def _begin_pass(self, rows: int) -> None:
+        self._complete, self._pass_rows = True, rows
+        if rows >= self.first_fit:  # a long pass: each pair straight into the normal equations
+            self._at = -1
             return
         if self._rows + rows > self.batch:
             self._flush()
-        at, self._rows = self._rows, self._rows + rows
-        for buffer, t in zip(self._buffer, logits):
-            buffer[at:at + rows].copy_(t)
-        self._last_buffer[at:at + rows].copy_(logits[-1])
+        self._at = self._rows
+
+    def _learn(self, index: int, source: torch.Tensor, target: torch.Tensor) -> None:
+        if self._at < 0:
+            self._fold(index, source, target)
+        else:  # buffered; the rows count once the pass is complete (a cut pass's are overwritten)
+            rows = source.shape[0]
+            self._sources[index, self._at:self._at + rows] = source
+            self._targets[index, self._at:self._at + rows] = target
+
+    def _end_pass(self) -> None:
+        """The last layer: a short pass's rows are now complete; refit one pair that is due."""
+        if self._at >= 0 and self._complete:
+            self._rows = self._at + self._pass_rows
         if not self.fitted_at[0] and self._rows >= self.first_fit:  # the first fit comes early
             self._flush()
+        if self._due:
+            self.fit(self._due.pop(0))
 
     def _flush(self) -> None:
-        if self._rows:
-            n, self._rows = self._rows, 0
-            self._fold([b[:n] for b in self._buffer], self._last_buffer[:n])
+        n, self._rows = self._rows, 0
+        if n:
+            for index in range(self.layers - 1):
+                self._fold(index, self._sources[index, :n], self._targets[index, :n])
 
-    def _fold(self, logits: list[torch.Tensor], last: torch.Tensor) -> None:
-        """Pairs (layer l's logits -> layer l+1's own logits) into each layer's normal equations."""
-        e = self.experts
-        for index, source in enumerate(logits):
-            target = logits[index + 1][:, e:] if index + 1 < len(logits) else last
-            # one batch's sums in float32 (at most a pass or a buffer of rows), accumulated in float64
-            f = torch.cat([source, torch.ones_like(source[:, :1])], dim=1)
-            self.gram[index] += (f.T @ f).double()
-            self.cross[index] += (f.T @ target).double()
-            self.samples[index] += f.shape[0]
-            if self.samples[index] >= self.first_fit and self.samples[index] >= 2 * self.fitted_at[index]:
-                self.fit(index)
+    def _fold(self, index: int, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Samples (layer l's logits -> layer l+1's own logits) into pair l's normal equations.
+        Non-finite values (a NaN in the model) are zeroed, so one cannot spoil every later fit."""
+        # one batch's sums in float32 (a pass or a buffer of rows), accumulated in float64
+        f = torch.nan_to_num(torch.cat([source, torch.ones_like(source[:, :1])], dim=1).float(),
+                             nan=0.0, posinf=0.0, neginf=0.0)
+        y = torch.nan_to_num(target.float(), nan=0.0, posinf=0.0, neginf=0.0)
+        self.gram[index] += (f.T @ f).double()
+        self.cross[index] += (f.T @ y).double()
+        self.samples[index] += f.shape[0]
+        n, fitted = self.samples[index], self.fitted_at[index]
+        if n >= self.first_fit and n - fitted >= min(max(fitted, 1), self.max_interval) and index not in self._due:
+            self._due.append(index)
 
     def fit(self, index: int) -> None:
-        """Ridge towards the raw router: (F^T F + lam I) W = F^T Y + lam W0, lam relative to F's scale.
-        No host sync: the solve stays on the device."""
+        """Ridge towards the raw router: (F^T F + lam I) W = F^T Y + lam W0, lam relative to F's
+        scale. ``solve_ex`` does not check for errors, so nothing waits for a device; a fit that
+        is not finite keeps the weights before it."""
         gram = self.gram[index]
         lam = self.ridge * torch.diagonal(gram).mean()
         eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-        coef = torch.linalg.solve(gram + lam * eye, self.cross[index] + lam * self.prior).float()
+        coef = torch.linalg.solve_ex(gram + lam * eye, self.cross[index] + lam * self.prior)[0].float()
+        old = torch.cat([self.weight[index], self.bias[index][None]])
+        coef = torch.where(torch.isfinite(coef), coef, old)
         self.weight[index], self.bias[index] = coef[:-1].contiguous(), coef[-1].contiguous()
         self.fitted_at[index] = self.samples[index]

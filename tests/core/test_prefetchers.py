@@ -157,7 +157,7 @@ def test_lookahead_picks_sets_how_many_experts_each_token_prefetches():
 def test_lookahead_folds_the_rmsnorm_into_the_router_and_picks_the_same_experts():
     """``own`` computes top-k of x @ (router x norm scale).T: the same picks as norm then router."""
     model = tiny_model_with_scaled_norms()  # a fold that drops the norms' scales is caught
-    engine = Engine(model, cache=LRUCache(capacity=3), prefetcher=LookaheadPrefetcher(), device="cpu",
+    engine = Engine(model, cache=LRUCache(capacity=3), prefetcher=LookaheadPrefetcher(source="own"), device="cpu",
                     selector=NoDraftSelector())
     routers = engine.prefetcher.routers
     assert all(r.folded is not None for r in routers)
@@ -174,13 +174,14 @@ def test_lookahead_on_a_cpu_routes_a_bf16_model_in_float32_and_stays_lossless():
     """A CPU's bf16 matmul is ~3x slower than fp32's: the folded router is kept in float32 there."""
     prompt = [3, 14, 15, 92, 65, 35]
     outputs = []
-    for prefetcher in (LookaheadPrefetcher(), None):
+    for prefetcher in (LookaheadPrefetcher(source="own"), LookaheadPrefetcher(), None):
         engine = Engine(tiny_model(dtype=torch.bfloat16), cache=LRUCache(capacity=3), prefetcher=prefetcher,
                         device="cpu", selector=NoDraftSelector())
-        if prefetcher is not None:
-            assert all(r.folded is not None and r.folded.dtype == torch.float32 for r in engine.prefetcher.routers)
+        if prefetcher is not None:  # own folds every layer's router, fitted only the first layer's
+            folded = engine.prefetcher.routers[:None if prefetcher.source == "own" else 1]
+            assert all(r.folded is not None and r.folded.dtype == torch.float32 for r in folded)
         outputs.append(engine.generate(prompt, max_new_tokens=8).token_ids)
-    assert outputs[0] == outputs[1]
+    assert outputs[0] == outputs[1] == outputs[2]
 
 
 def test_lookahead_does_not_fold_a_norm_of_another_form_or_a_biased_router():

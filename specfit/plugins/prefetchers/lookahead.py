@@ -8,10 +8,10 @@ The predictors, all live (they read the pass's hidden states; a trace replay has
   logits fitted online on the target's own passes (before any data: layer l+1's raw router, the
   mixtral-offloading predictor); the copies queue behind layer l's on the FIFO link and travel
   while layer l computes and layer l+1 attends. The first layer, which has no layer before it,
-  uses ``own``;
+  uses ``own`` (as does a model with a single MoE layer);
 - ``own``: when decoder layer l starts (before attention), apply layer l's own
   ``post_attention_layernorm`` and router to its input; the copies overlap layer l's attention;
-- ``next``: ``fitted`` without the fit: layer l+1's raw router on layer l's expert input;
+- ``next``: layer l+1's raw router on layer l's expert input (nothing for the first layer);
 - ``both``: ``next`` early, then ``own`` adds what it still misses.
 
 Why ``fitted``: ``own`` picks well (top-4 recall 0.77-0.88 on the demo target) but its copies have
@@ -19,11 +19,12 @@ only one layer's attention to travel in; the raw ``next`` has a whole layer but 
 (0.75-0.84, and 0.21-0.26 on layer 1); fitted, it recalls about what ``own`` does (0.70-0.86
 after a few hundred tokens) with the longer lead. Measured on the demo pair (AR, ``cache=lru
 cache.capacity=8 cache.copy=emulated``, 4 held-out prompts per workload x 2 x 48 tokens, in one
-process, interleaved, 2026-12-04): time per token 8.17 ms without prefetch, 7.78 with ``own``
-(1.05x), 7.34-7.38 with ``fitted`` (1.11x); stall 2.96, 2.08, 1.48 ms per token; the raw
-``next`` 1.04x. Taking fewer picks from the fitted predictor (``picks=3``) moved within noise,
-adding ``own`` on every layer to ``fitted`` gave 1.06x (more copies on a link that is already
-busy).
+process, interleaved, 2026-12-04): time per token 8.17-8.34 ms without prefetch, 7.78-7.88 with
+``own`` (1.05x), 7.34-7.41 with ``fitted`` (1.11-1.13x); stall 2.95, 2.05, 1.45-1.51 ms per token.
+The same predictor left unfitted (layer l+1's raw router, ``own`` on the first layer) ran at
+1.04x, the raw ``next`` alone 1.04x: the fit is the gain. Taking fewer picks from the fitted
+predictor (``picks=3``) moved within noise, adding ``own`` on every layer to ``fitted`` gave 1.06x
+(more copies on a link that is already busy).
 
 Earlier measurements of the other sources (same setup, 2026-12-03): ``own`` removed three quarters
 of the demand misses with the fewest wasted copies; ``both`` cut the stall further than ``own``
@@ -100,18 +101,18 @@ class LookaheadPrefetcher(PrefetcherBase):
             raise ConfigError(f"prefetch.picks={self.picks} is more than the model's {spec.num_experts} experts per layer")
         self.k = self.picks or spec.top_k
         layers, routers = moe_routers(model, spec, "prefetch=lookahead")
-        if self.source in ("own", "both", "fitted"):
-            for router in routers:
-                router.folded = fold_norm(router, spec.hidden_size)
-                if router.folded is not None and router.folded.device.type == "cpu":
-                    router.folded = router.folded.float()  # a CPU's bf16 matmul is ~3x slower than fp32's
+        fitted = self.source == "fitted" and len(routers) > 1  # one MoE layer: no layer before it, own
+        own_layers = layers[:1] if fitted else layers if self.source in ("own", "both", "fitted") else []
+        for router in routers[:len(own_layers)]:
+            router.folded = fold_norm(router, spec.hidden_size)
+            if router.folded is not None and router.folded.device.type == "cpu":
+                router.folded = router.folded.float()  # a CPU's bf16 matmul is ~3x slower than fp32's
         self.routers = routers
         if self.source in ("next", "both"):
             target.runtime.add_layer_listener(self._next)
-        if self.source == "fitted":
+        if fitted:
             self.fitted = NextLayerRouter(routers)
             target.runtime.add_layer_listener(self._fitted_next)
-        own_layers = {"own": layers, "both": layers, "fitted": layers[:1]}.get(self.source, [])
         for index, layer in enumerate(own_layers):
             self.handles.append(layer.register_forward_pre_hook(self._own_hook(index), with_kwargs=True))
 
