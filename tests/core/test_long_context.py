@@ -21,7 +21,7 @@ from specfit.plugins.drafters.eagle3.head import KVBuffer
 
 DEMO = Path(specfit.__file__).parent / "assets" / "demo"
 CONTEXT = 2048  # the demo target's max_position_embeddings
-METHODS = ["ar", "eagle3", "eagle3_nocache", "specfit", "chain", "greedy", "prefix"]
+METHODS = ["ar", "eagle3", "eagle3_nocache", "specfit", "chain", "greedy", "prefix", "ar_prefetch", "specfit_prefetch"]
 # explicit cost constants: nothing is calibrated (measured) while testing
 CONSTANTS = ["cost_model.c0=2e-3", "cost_model.c_tok=1e-4", "cost_model.c_miss=4e-4", "cost_model.c_hit=2e-5",
              "cost_model.c_level=1e-4"]
@@ -106,6 +106,8 @@ def test_long_prompts_decode_as_autoregressive(engines, long_text_ids, ar_output
     assert len(out.token_ids) == NEW_TOKENS and out.finish_reason == "length" == out.stats["finish_reason"]
     if method == "eagle3":
         assert out.stats["accepted_tokens"] > 0  # the drafts were used: a long-context drafter state is right
+    if method.endswith("_prefetch"):  # the fitted look-ahead learned from the long prefill and prefetched
+        assert out.stats["prefetch_used"] > 0 and min(engines(method).prefetcher.lookahead.fitted.fitted_at) > 0
 
 
 @pytest.mark.parametrize("method", METHODS)
