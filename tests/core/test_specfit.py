@@ -476,3 +476,31 @@ def test_history_scores_every_node_of_a_level_as_it_would_one_at_a_time():
             want = want + predictor.pair_weight * pair / pair[0].sum()
         top = np.argsort(-want, axis=1, kind="stable")[:, : spec.top_k]
         assert (np.sort(row, 1) == np.sort(top, 1)).all()
+
+
+@pytest.mark.parametrize("max_keys", [65536, 40, 8])
+def test_history_counts_a_prompt_at_once_as_it_would_token_by_token(max_keys):
+    """A long observation (a prompt) is counted per distinct token and pair: the same tables, the
+    same recency order and, where the table overflows, the same keys evicted as the token loop."""
+    import specfit.plugins.predictors.history as history
+
+    spec = tiny_model().config
+    layers, experts = spec.num_hidden_layers, spec.num_experts
+    rng = np.random.default_rng(1)
+    batched, looped = (Engine(tiny_model(), cache=LRUCache(capacity=4), predictor=HistoryPredictor(max_keys=max_keys),
+                              device="cpu").predictor for _ in range(2))
+    for n in (200, 1, 3, 40, 17, 2, 300):
+        tokens = rng.integers(0, 30, size=n).tolist()
+        routing = np.stack([np.stack([rng.permutation(experts)[:spec.num_experts_per_tok + 1] for _ in range(layers)])
+                            for _ in range(n)])  # wider than top-k: the predictor keeps the first k
+        batched.observe(tokens, routing)
+        many, history._MANY = history._MANY, 10**9
+        try:
+            looped.observe(tokens, routing)
+        finally:
+            history._MANY = many
+    for name in ("single", "pairs"):
+        a, b = getattr(batched, name).table, getattr(looped, name).table
+        assert list(a) == list(b)
+        assert all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in a)
+    assert np.array_equal(batched.overall, looped.overall) and batched._last_token == looped._last_token

@@ -34,6 +34,9 @@ class HistoryPredictorConfig(PredictorConfig):
         number("predictor.prior", self.prior, minimum=0)
 
 
+_MANY = 16  # observations of this many tokens at once (a prompt) are counted per distinct key
+
+
 class _Counts:
     """Expert counts per key, [layers, experts], bounded by least-recent use."""
 
@@ -54,6 +57,37 @@ class _Counts:
         else:
             self.table.move_to_end(key)
         counts[self.rows, routing] += 1.0
+
+    def add_many(self, keys: list[Any], routing: np.ndarray) -> None:
+        """``add(keys[i], routing[i])`` for every i, with one count per distinct key: the same
+        counts and the same recency order (keys in the order of their last occurrence). Where the
+        table could overflow, key by key, so that what is evicted stays the same."""
+        if not keys:
+            return
+        if len(self.table) + len(keys) > self.max_keys:
+            for key, routed in zip(keys, routing):
+                self.add(key, routed)
+            return
+        index: dict[Any, int] = {}
+        for i, key in enumerate(keys):
+            index.pop(key, None)
+            index[key] = len(index)  # re-inserted: dict order is the order of last occurrence
+        slot = {key: i for i, key in enumerate(index)}
+        layers, experts = self.shape
+        flat = (self.rows * experts + routing).reshape(len(keys), -1)  # [n, layers * k]
+        rows = np.fromiter((slot[key] for key in keys), np.int64, len(keys))
+        counts = np.bincount((rows[:, None] * layers * experts + flat).ravel(),
+                             minlength=len(slot) * layers * experts).reshape(len(slot), layers, experts)
+        for key, i in slot.items():
+            self.add_counts(key, counts[i])
+
+    def add_counts(self, key: Any, counts: np.ndarray) -> None:
+        table = self.table.get(key)
+        if table is None:
+            self.table[key] = counts.astype(np.float32)
+        else:
+            self.table.move_to_end(key)
+            table += counts
 
 
 class HistoryPredictor(ExpertPredictorBase):
@@ -109,6 +143,9 @@ class HistoryPredictor(ExpertPredictorBase):
             rows[list(nodes)] = self._top_k(previous, [tree.tokens[v] for v in nodes])
 
     def observe(self, tokens: Sequence[int], routing: np.ndarray) -> None:
+        if len(tokens) >= _MANY:  # a prompt: one count per distinct token and pair
+            self._observe_many(list(tokens), np.asarray(routing)[:, :, : self.k])
+            return
         previous = self._last_token
         for token, routed in zip(tokens, routing):
             routed = routed[:, : self.k]
@@ -118,3 +155,14 @@ class HistoryPredictor(ExpertPredictorBase):
             self.overall[self.single.rows, routed] += 1.0
             previous = token
         self._last_token = previous
+
+    def _observe_many(self, tokens: list[int], routing: np.ndarray) -> None:
+        """What the loop of :meth:`observe` does, with numpy counts per distinct key (the same tables)."""
+        previous = [self._last_token, *tokens[:-1]]
+        self.single.add_many(tokens, routing)
+        paired = [i for i, p in enumerate(previous) if p is not None]
+        self.pairs.add_many([(previous[i], tokens[i]) for i in paired], routing[paired])
+        experts = self.experts
+        flat = (self.single.rows * experts + routing).ravel()
+        self.overall += np.bincount(flat, minlength=self.layers * experts).reshape(self.layers, experts)
+        self._last_token = tokens[-1]
