@@ -59,7 +59,11 @@ class NextLayerRouter:
         dtype = torch.float32 if device.type == "cpu" else routers[0].weight.dtype
         weights = [r.weight.detach().to(dtype) for r in routers]
         e = self.experts = weights[0].shape[0]
-        biases = [r.bias.detach().to(dtype) if r.bias is not None else None for r in routers]
+        if all(r.bias is None for r in routers):
+            biases: list[torch.Tensor | None] = [None] * len(routers)
+        else:  # a router without a bias among biased ones adds zeros
+            biases = [r.bias.detach().to(dtype) if r.bias is not None else torch.zeros(r.weight.shape[0], dtype=dtype,
+                      device=device) for r in routers]
         # both routers' logits in one matmul: layer l+1's (the prediction's inputs), then layer l's
         # (also the training target of the pair before)
         self.project = [torch.cat([weights[l + 1], weights[l]]).T.contiguous() for l in range(self.layers - 1)]

@@ -68,11 +68,8 @@ class _Counts:
             for key, routed in zip(keys, routing):
                 self.add(key, routed)
             return
-        index: dict[Any, int] = {}
-        for i, key in enumerate(keys):
-            index.pop(key, None)
-            index[key] = len(index)  # re-inserted: dict order is the order of last occurrence
-        slot = {key: i for i, key in enumerate(index)}
+        last_seen = list(dict.fromkeys(reversed(keys)))[::-1]  # distinct keys, in order of last occurrence
+        slot = {key: i for i, key in enumerate(last_seen)}
         layers, experts = self.shape
         flat = (self.rows * experts + routing).reshape(len(keys), -1)  # [n, layers * k]
         rows = np.fromiter((slot[key] for key in keys), np.int64, len(keys))
