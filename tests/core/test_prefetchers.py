@@ -131,6 +131,42 @@ def test_lookahead_next_prefetches_queue_behind_the_layers_own_copies(source):
             assert not [e for e in order[i + 1:] if e[:2] == (pass_, layer - 1)], (i, order[max(0, i - 6):i + 2])
 
 
+@pytest.mark.parametrize("scaled", [False, True])
+def test_lookahead_asks_for_the_first_layer_at_the_pass_start_when_its_input_is_the_embedding(scaled):
+    """The first layer's picks come from the tokens' embedding as the model's forward starts (more
+    lead than the layer's own pre-hook), once the first pass showed the embedding is that layer's
+    input; a model whose first layer sees something else (here: a pre-hook scaling it) is caught
+    there and prefetches from the layer's real input instead. AR output either way, and one
+    request for the first layer per pass, not two."""
+    model = tiny_model()
+    if scaled:
+        model.model.layers[0].register_forward_pre_hook(lambda _m, args: (args[0] * 3.0, *args[1:]))
+    reference_ids = None
+    if scaled:
+        with torch.no_grad():
+            reference_ids = model.generate(torch.tensor([PROMPT]), max_new_tokens=N, min_new_tokens=N,
+                                           do_sample=False)[0].tolist()
+    engine = Engine(model, cache=LRUCache(capacity=3), prefetcher=LookaheadPrefetcher(), device="cpu",
+                    selector=NoDraftSelector())
+    runtime, sink, first, preamble_ran = engine.runtime, engine.prefetch_sink, [], set()
+    model.model.rotary_emb.register_forward_pre_hook(lambda *_: preamble_ran.add(runtime.stats.passes))
+    prefetch = sink.prefetch
+
+    def recording(layer, experts):
+        if layer == 0:
+            first.append(runtime.stats.passes in preamble_ran)
+        return prefetch(layer, experts)
+
+    sink.prefetch = recording
+    out = engine.generate(PROMPT, max_new_tokens=N)
+    assert out.token_ids == (reference_ids or reference())[len(PROMPT):]
+    assert engine.prefetcher._early_state == ("off" if scaled else "checked")
+    # one request a pass (the scaled model's first pass: the early one, then the layer's own)
+    assert len(first) == runtime.stats.passes + scaled
+    # unscaled: asked before the decoder's preamble; scaled: at the layer, after its first pass
+    assert first == ([False] if scaled else []) + [scaled] * runtime.stats.passes
+
+
 def test_lookahead_picks_sets_how_many_experts_each_token_prefetches():
     """``picks`` above the model's top-k asks for the router's next experts too (AR output kept);
     a value that cannot work is one line naming prefetch.picks."""
