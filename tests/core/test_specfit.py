@@ -465,6 +465,7 @@ def test_history_scores_every_node_of_a_level_as_it_would_one_at_a_time():
     routing = np.stack([np.stack([rng.choice(spec.num_experts, spec.top_k, replace=False) for _ in range(spec.num_layers)])
                         for _ in tokens])
     predictor.observe(tokens, routing)
+    predictor.flush()
     previous, level = [None, 3, 5, 7, 99, 2], [4, 4, 6, 7, 1, 11]  # a pair seen or not, a previous unseen
     prior = predictor.prior * predictor.overall / predictor.overall.sum(axis=1, keepdims=True)
     got = predictor._top_k(previous, level)
@@ -476,6 +477,40 @@ def test_history_scores_every_node_of_a_level_as_it_would_one_at_a_time():
             want = want + predictor.pair_weight * pair / pair[0].sum()
         top = np.argsort(-want, axis=1, kind="stable")[:, : spec.top_k]
         assert (np.sort(row, 1) == np.sort(top, 1)).all()
+
+
+@pytest.mark.parametrize("max_keys", [65536, 40])
+def test_history_holds_observations_until_it_predicts_and_counts_them_as_it_would_at_once(max_keys):
+    """Cycles that do not draft only hold their observations; the next prediction counts them all
+    (also past the backlog bound): the same tables, recency order and predictions as counting each
+    observation when it arrives."""
+    import specfit.plugins.predictors.history as history
+
+    spec = tiny_model().config
+    layers, experts, k = spec.num_hidden_layers, spec.num_experts, spec.num_experts_per_tok
+    rng = np.random.default_rng(2)
+    lazy, eager = (Engine(tiny_model(), cache=LRUCache(capacity=4), predictor=HistoryPredictor(max_keys=max_keys),
+                          device="cpu").predictor for _ in range(2))
+    tree = DraftTree(root_token=3)
+    tree.add_level([-1, -1], [4, 5], [-0.1, -0.2])
+    for step, n in enumerate([60, *[1] * 150, 2, 3, *[1] * 140, 20]):
+        tokens = rng.integers(0, 30, size=n).tolist()
+        routing = np.stack([np.stack([rng.permutation(experts)[:k] for _ in range(layers)]) for _ in range(n)])
+        lazy.observe(tokens, routing)
+        eager.observe(tokens, routing)
+        eager.flush()
+        if step in (0, 200, 293):
+            assert lazy._backlog_tokens < history._BACKLOG
+            lazy.predict(tree, range(len(tree)))
+            got = tree.expert_rows(layers, k).copy(), tree.root_experts.copy()
+            tree.root_experts = None
+            eager.predict(tree, range(len(tree)))
+            assert np.array_equal(got[0], tree.expert_rows(layers, k)) and np.array_equal(got[1], tree.root_experts)
+            tree.root_experts = None
+            for name in ("single", "pairs"):
+                a, b = getattr(lazy, name).table, getattr(eager, name).table
+                assert list(a) == list(b) and all(np.array_equal(a[key], b[key]) for key in a)
+            assert np.array_equal(lazy.overall, eager.overall) and lazy._last_token == eager._last_token
 
 
 @pytest.mark.parametrize("max_keys", [65536, 40, 8])
@@ -494,9 +529,11 @@ def test_history_counts_a_prompt_at_once_as_it_would_token_by_token(max_keys):
         routing = np.stack([np.stack([rng.permutation(experts)[:spec.num_experts_per_tok + 1] for _ in range(layers)])
                             for _ in range(n)])  # wider than top-k: the predictor keeps the first k
         batched.observe(tokens, routing)
+        batched.flush()
         many, history._MANY = history._MANY, 10**9
         try:
             looped.observe(tokens, routing)
+            looped.flush()
         finally:
             history._MANY = many
     for name in ("single", "pairs"):

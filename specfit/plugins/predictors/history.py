@@ -6,6 +6,10 @@ The previous token (the node's parent) refines it when that pair has been seen. 
 seen is predicted by the router probe (:mod:`specfit.core.router_probe`): falling back to the
 most frequent experts instead would predict the same experts for every new token and make large
 trees look free.
+
+Observations are held until the next prediction and then counted together, which gives the same
+tables: where the draft gate skips drafting (most cycles on a CPU), a cycle's observation costs a
+list append instead of its counting (SpecFit with drafting off on the demo pair: 0.02 ms a cycle).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class HistoryPredictorConfig(PredictorConfig):
 
 
 _MANY = 16  # observations of this many tokens at once (a prompt) are counted per distinct key
+_BACKLOG = 256  # verified tokens held before counting (a gate that skips drafting asks for nothing)
 
 
 class _Counts:
@@ -102,6 +107,10 @@ class HistoryPredictor(ExpertPredictorBase):
         self.overall = np.ones((self.layers, self.experts), dtype=np.float64)
         self.probe = RouterProbe(target.model, spec)
         self._last_token: int | None = None
+        # observations not yet counted: (tokens, routing) in order; counted together before the
+        # next prediction (the same tables as counting each at once: counts add up in order)
+        self._backlog: list[tuple[Sequence[int], np.ndarray]] = []
+        self._backlog_tokens = 0
 
     def _scores(self, previous: Sequence[int | None], tokens: Sequence[int], prior: np.ndarray) -> np.ndarray:
         """float [n, layers, experts]: ``prior`` (the layer-wide frequencies, weighted) plus each
@@ -132,6 +141,7 @@ class HistoryPredictor(ExpertPredictorBase):
         return out
 
     def predict(self, tree: DraftTree, nodes: range) -> None:
+        self.flush()
         rows = tree.expert_rows(self.layers, self.k)
         if tree.root_experts is None:
             tree.root_experts = self._top_k([self._last_token], [tree.root_token])[0]
@@ -140,7 +150,26 @@ class HistoryPredictor(ExpertPredictorBase):
             rows[list(nodes)] = self._top_k(previous, [tree.tokens[v] for v in nodes])
 
     def observe(self, tokens: Sequence[int], routing: np.ndarray) -> None:
-        if len(tokens) >= _MANY:  # a prompt: one count per distinct token and pair
+        """Held until the next prediction (or until ``_BACKLOG`` tokens wait), then counted in one go:
+        cycles that do not draft, most of them where drafting does not pay, then cost a list append."""
+        self._backlog.append((tokens, routing))
+        self._backlog_tokens += len(tokens)
+        if self._backlog_tokens >= _BACKLOG:
+            self.flush()
+
+    def flush(self) -> None:
+        """Count the observations held so far (predictions do this first)."""
+        backlog, self._backlog, self._backlog_tokens = self._backlog, [], 0
+        if not backlog:
+            return
+        if len(backlog) == 1:
+            self._count(*backlog[0])
+            return
+        tokens = [t for chunk, _ in backlog for t in chunk]
+        self._count(tokens, np.concatenate([np.asarray(r)[:, :, : self.k] for _, r in backlog]))
+
+    def _count(self, tokens: Sequence[int], routing: np.ndarray) -> None:
+        if len(tokens) >= _MANY:  # a prompt (or a backlog): one count per distinct token and pair
             self._observe_many(list(tokens), np.asarray(routing)[:, :, : self.k])
             return
         previous = self._last_token
