@@ -82,14 +82,22 @@ class PrefetchSink:
 
     # ------------------------------------------------------------------ for prefetchers
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> int:
-        """Ask for ``experts`` of ``layer`` (most wanted first); returns how many copies were issued."""
+    def prefetch(self, layer: int, experts: Sequence[int], keep: Sequence[int] = ()) -> int:
+        """Ask for ``experts`` of ``layer`` (most wanted first); returns how many copies were issued.
+
+        ``keep``: experts worth keeping but not worth a copy (the next likeliest): those resident are
+        protected from this request's evictions like the resident ones of ``experts``, so the cache
+        evicts experts the prefetcher ranks lower instead; the others are ignored."""
         layer, ids = check_request(self.prefetcher, self.hook, layer, experts, self.spec.num_layers,
                                    self.spec.num_experts)
         self.counts.requests += 1
         self.counts.asked += len(ids)
         if not ids:
             return 0
+        if len(keep):
+            _, kept = check_request(self.prefetcher, self.hook, layer, keep, self.spec.num_layers, self.spec.num_experts)
+            held = self._held(layer)
+            ids += [e for e in kept if e in held and e not in ids]
         issued = int(self._issue(layer, ids))
         self.counts.issued += issued
         return issued
@@ -154,6 +162,10 @@ class PrefetchSink:
     def _issue(self, layer: int, experts: list[int]) -> int:
         raise NotImplementedError
 
+    def _held(self, layer: int) -> set[int]:
+        """Experts of ``layer`` in a slot (resident or on their way)."""
+        raise NotImplementedError
+
 
 class LiveSink(PrefetchSink):
     """Forwards to the offload runtime: real (or emulated-link) copies issued ahead of need."""
@@ -170,6 +182,9 @@ class LiveSink(PrefetchSink):
         if all(e in held for e in experts):  # all resident or in flight (most look-ahead requests): nothing to ask
             return 0
         return self.runtime.prefetch(layer, experts)  # the runtime skips those held, and keeps them
+
+    def _held(self, layer: int) -> set[int]:
+        return set(self.runtime.slot_expert[layer].tolist())
 
     def arriving(self) -> np.ndarray | None:
         return self.runtime.arriving()
@@ -253,6 +268,9 @@ class ModelledSink(PrefetchSink):
         if not self._cannot:
             self.note(f"cache '{guard.plugin_name(self.cache)}' cannot prefetch (no admit_prefetch)")
             self._cannot = True
+
+    def _held(self, layer: int) -> set[int]:
+        return set(self.slot_expert[layer].tolist())
 
     def _issue(self, layer: int, experts: list[int]) -> int:
         row = self.slot_expert[layer]

@@ -152,10 +152,10 @@ def test_lookahead_asks_for_the_first_layer_at_the_pass_start_when_its_input_is_
     model.model.rotary_emb.register_forward_pre_hook(lambda *_: preamble_ran.add(runtime.stats.passes))
     prefetch = sink.prefetch
 
-    def recording(layer, experts):
+    def recording(layer, experts, keep=()):
         if layer == 0:
             first.append(runtime.stats.passes in preamble_ran)
-        return prefetch(layer, experts)
+        return prefetch(layer, experts, keep)
 
     sink.prefetch = recording
     out = engine.generate(PROMPT, max_new_tokens=N)
@@ -165,6 +165,38 @@ def test_lookahead_asks_for_the_first_layer_at_the_pass_start_when_its_input_is_
     assert len(first) == runtime.stats.passes + scaled
     # unscaled: asked before the decoder's preamble; scaled: at the layer, after its first pass
     assert first == ([False] if scaled else []) + [scaled] * runtime.stats.passes
+
+
+def test_a_prefetch_keeps_the_resident_experts_it_names_in_keep_and_copies_none_of_them():
+    """``keep``: resident experts ranked just after the copies are protected from the request's
+    evictions (the LRU evicts the next-oldest instead); one not resident is not copied; a bad id
+    is a PluginError like any in the request."""
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=3), prefetcher=LookaheadPrefetcher(source="own"),
+                    device="cpu", selector=NoDraftSelector())
+    engine.generate(PROMPT, max_new_tokens=4)
+    runtime, sink = engine.runtime, engine.prefetch_sink
+    oldest, second, newest = list(runtime.policy._lru[0])  # what the LRU evicts first, then next
+    absent = [e for e in range(engine.spec.num_experts) if e not in (oldest, second, newest)]
+    issued = sink.prefetch(0, [absent[0]], keep=[oldest, absent[1]])
+    held = set(runtime.slot_expert[0].tolist())
+    assert issued == 1 and held == {oldest, newest, absent[0]}, (held, oldest, second, newest)
+    with pytest.raises(PluginError, match="out of range"):
+        sink.prefetch(0, [absent[2]], keep=[999])
+    check_slots(engine)
+
+
+@pytest.mark.parametrize("keep", [None, 0, 2])
+def test_lookahead_keeps_the_experts_ranked_after_its_picks(keep):
+    """By default each token's next top-k experts (here 2) go to ``keep``; ``prefetch.keep`` sets
+    how many (0: none). AR output either way."""
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=3), prefetcher=LookaheadPrefetcher(keep=keep),
+                    device="cpu", selector=NoDraftSelector())
+    sink, kept = engine.prefetch_sink, []
+    prefetch = sink.prefetch
+    sink.prefetch = lambda layer, experts, keep=(), _p=prefetch: (kept.append(len(keep)), _p(layer, experts, keep))[1]
+    out = engine.generate(PROMPT, max_new_tokens=N)
+    assert out.token_ids == reference()[len(PROMPT):]
+    assert min(kept) == (engine.spec.top_k if keep is None else keep)  # a one-token pass: exactly that many
 
 
 def test_lookahead_picks_sets_how_many_experts_each_token_prefetches():
@@ -179,7 +211,8 @@ def test_lookahead_picks_sets_how_many_experts_each_token_prefetches():
         sizes = []
         sink = engine.prefetch_sink
         prefetch = sink.prefetch
-        sink.prefetch = lambda layer, experts, _p=prefetch: (sizes.append(len(list(experts))), _p(layer, experts))[1]
+        sink.prefetch = lambda layer, experts, keep=(), _p=prefetch: (sizes.append(len(list(experts))),
+                                                                      _p(layer, experts, keep))[1]
         out = engine.generate(PROMPT, max_new_tokens=N)
         assert out.token_ids == reference()[len(PROMPT):]
         asked[picks] = min(sizes)  # a one-token (AR) pass: the picks of one token
@@ -358,8 +391,8 @@ class FakeSink:
     def capacity(self):
         return self.slots
 
-    def prefetch(self, layer, experts):
-        self.requests.append((layer, list(experts)))
+    def prefetch(self, layer, experts, keep=()):
+        self.requests.append((layer, list(experts), list(keep)))
         return len(experts)
 
 
@@ -446,16 +479,16 @@ def test_modelled_link_is_fifo_and_charges_the_wait_of_a_layer():
 
 
 def test_draft_prefetch_names_the_useful_resident_experts_so_no_copy_evicts_them():
-    """after_level asks for the copies and then for the resident experts the pass is likely to use:
-    the sink issues only the copies, and the cache may not evict the others for them (live and
-    modelled alike: an LRU's oldest slot may hold one)."""
+    """after_level asks for the copies and keeps the resident experts the pass is likely to use:
+    the cache may not evict them for the copies (live and modelled alike: an LRU's oldest slot may
+    hold one)."""
     resident = np.zeros((3, 8), dtype=bool)
     resident[:, 2] = True  # likely used (0.9): not copied, but named
     resident[:, 5] = True  # resident and unused: fair game
     pf = DraftPrefetcher(min_benefit=0.05)
     pf.bind(None, FakeSink(expert_s=0.0, layer_s=2.0, slots=4))
     pf.after_level(two_level_tree(), [0], resident)
-    assert pf.sink.requests == [(layer, [0, 1, 3, 2]) for layer in range(3)]  # 3 slots free of likely experts
+    assert pf.sink.requests == [(layer, [0, 1, 3], [2]) for layer in range(3)]  # 3 slots free of likely experts
     assert pf.plan(two_level_tree(), [0], resident) == [(layer, [0, 1, 3]) for layer in range(3)]  # copies only
 
     spec = tiny_model_spec()
@@ -469,6 +502,8 @@ def test_draft_prefetch_names_the_useful_resident_experts_so_no_copy_evicts_them
     sink.begin_cycle()
     assert sink.prefetch(0, [7, 4]) == 1  # 7 is copied, and not over 4: asked for, so kept
     assert sorted(slot_expert[0].tolist()) == [4, 6, 7]
+    assert sink.prefetch(0, [1], keep=[4, 2]) == 1  # the oldest, 4, kept (2 is not resident: nothing): 6 goes
+    assert sorted(slot_expert[0].tolist()) == [1, 4, 7]
 
 
 def test_modelled_link_says_once_that_cache_none_cannot_prefetch():

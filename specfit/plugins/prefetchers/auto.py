@@ -19,11 +19,12 @@ class AutoPrefetcherConfig(PrefetcherConfig):
     source: str = "fitted"  # lookahead's: fitted | own | next | both
     per_layer: int | None = None  # lookahead's cap per layer and pass
     picks: int | None = None  # lookahead's experts per token (null: the model's top-k)
+    keep: int | None = None  # lookahead's next-ranked experts kept where resident (null: the top-k)
     min_benefit: float = 0.2  # draft's: skip experts used with a lower probability
     max_per_layer: int | None = None  # draft's cap per layer and level
 
     def __post_init__(self) -> None:
-        check_lookahead_settings(self.source, self.per_layer, self.picks)
+        check_lookahead_settings(self.source, self.per_layer, self.picks, self.keep)
         if not 0.0 <= self.min_benefit <= 1.0:
             raise ConfigError(f"prefetch.min_benefit={self.min_benefit} must be in [0, 1]")
 
@@ -35,8 +36,8 @@ class AutoPrefetcher(PrefetcherBase):
     Config = AutoPrefetcherConfig
 
     def __init__(self, source: str = "fitted", per_layer: int | None = None, min_benefit: float = 0.2,
-                 max_per_layer: int | None = None, picks: int | None = None) -> None:
-        self.lookahead = LookaheadPrefetcher(source=source, per_layer=per_layer, picks=picks)
+                 max_per_layer: int | None = None, picks: int | None = None, keep: int | None = None) -> None:
+        self.lookahead = LookaheadPrefetcher(source=source, per_layer=per_layer, picks=picks, keep=keep)
         self.draft = DraftPrefetcher(min_benefit=min_benefit, max_per_layer=max_per_layer)
 
     def bind(self, target: Any, sink: Any) -> None:

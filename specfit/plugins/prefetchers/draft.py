@@ -18,8 +18,8 @@ measured on the demo pair with EAGLE-3's trees and 8 slots, 658 prefetches, 547 
 left the misses unchanged, 1432 against 1433, and only added link time; again with pipelined
 rounds, which compute resident experts first: 2510 prefetches, 2151 used, 7039 misses against
 6816 and 21% more link time, since what they evict was often used too). The request also names
-the resident experts the pass is likely to use, after the copies: they are not copied, and the
-cache may not evict them for the copies (an LRU's oldest slot may hold one). The cache policy has
+the resident experts the pass is likely to use as ``keep``: the cache may not evict them for the
+copies (an LRU's oldest slot may hold one). The cache policy has
 the last word (``admit_prefetch``): it never evicts an expert in flight or in use.
 """
 
@@ -69,9 +69,9 @@ class DraftPrefetcher(PrefetcherBase):
     def after_level(self, tree: DraftTree, predicted: Sequence[int], resident: np.ndarray) -> None:
         plan, useful = self._plan(tree, predicted, resident)
         for layer, experts in plan:
-            # the resident experts the pass is likely to use are named too: the sink skips them, and
-            # the cache may not evict them for these copies (its least recent slot may hold one)
-            self.sink.prefetch(layer, experts + useful[layer])
+            # the resident experts the pass is likely to use are kept: the cache may not evict them
+            # for these copies (its least recent slot may hold one)
+            self.sink.prefetch(layer, experts, keep=useful[layer])
 
     def plan(self, tree: DraftTree, predicted: Sequence[int], resident: np.ndarray) -> list[tuple[int, list[int]]]:
         """[(layer, experts most beneficial first)], layers ascending, within the link's budget."""
