@@ -185,18 +185,23 @@ def test_a_prefetch_keeps_the_resident_experts_it_names_in_keep_and_copies_none_
     check_slots(engine)
 
 
-@pytest.mark.parametrize("keep", [None, 0, 2])
-def test_lookahead_keeps_the_experts_ranked_after_its_picks(keep):
+@pytest.mark.parametrize(("keep", "capacity"), [(None, 6), (0, 6), (2, 6), (None, 3)])
+def test_lookahead_keeps_the_experts_ranked_after_its_picks(keep, capacity):
     """By default each token's next top-k experts (here 2) go to ``keep``; ``prefetch.keep`` sets
-    how many (0: none). AR output either way."""
-    engine = Engine(tiny_model(), cache=LRUCache(capacity=3), prefetcher=LookaheadPrefetcher(keep=keep),
+    how many (0: none); never more than fit in the slots beside the picks (3 slots, 2 picks: 1).
+    AR output either way."""
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=capacity), prefetcher=LookaheadPrefetcher(keep=keep),
                     device="cpu", selector=NoDraftSelector())
     sink, kept = engine.prefetch_sink, []
     prefetch = sink.prefetch
-    sink.prefetch = lambda layer, experts, keep=(), _p=prefetch: (kept.append(len(keep)), _p(layer, experts, keep))[1]
+    sink.prefetch = lambda layer, experts, keep=(), _p=prefetch: (kept.append((len(experts), len(keep))),
+                                                                  _p(layer, experts, keep))[1]
     out = engine.generate(PROMPT, max_new_tokens=N)
     assert out.token_ids == reference()[len(PROMPT):]
-    assert min(kept) == (engine.spec.top_k if keep is None else keep)  # a one-token pass: exactly that many
+    k = engine.spec.top_k
+    one_token = [n_keep for n_copy, n_keep in kept if n_copy == k]  # AR steps
+    assert set(one_token) == {min(k if keep is None else keep, capacity - k)}
+    assert all(n_copy + n_keep <= capacity or n_keep == 0 for n_copy, n_keep in kept)
 
 
 def test_lookahead_picks_sets_how_many_experts_each_token_prefetches():

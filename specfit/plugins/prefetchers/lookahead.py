@@ -41,7 +41,8 @@ demand copies on the FIFO link.
 
 Every token of the pass counts (AR steps, prefill and verification passes alike); each layer's
 experts go to the link most-picked first, at most ``per_layer`` of them. The experts each token
-ranks next (``keep``, by default as many as its picks) are kept where resident: a prefetch's copy
+ranks next (``keep``, by default as many as its picks; no more than fit in the slots beside the
+picks, so a big tree's pass keeps none) are kept where resident: a prefetch's copy
 then evicts an expert the predictor ranks lower rather than the least recently used, which may be
 the next token's. Measured (AR, the setup above, one process): demand misses 2.77 -> 2.48 a token,
 1.135x -> 1.158x AR; keeping 6 or 10 instead of 4 moved within noise (10 leaves too few slots:
@@ -206,7 +207,8 @@ class LookaheadPrefetcher(PrefetcherBase):
             order, keep = _most_picked(ranked[:, :k], scores.shape[-1]), _most_picked(ranked[:, k:], scores.shape[-1])
         if self.per_layer is not None:
             order = order[: self.per_layer]
-        self.sink.prefetch(layer, order, keep)
+        # only what fits beside the copies: a pass whose picks fill the slots (a big tree) keeps none
+        self.sink.prefetch(layer, order, keep[: max(self.sink.capacity() - len(order), 0)])
 
 
 def _most_picked(picks: torch.Tensor, experts: int) -> list[int]:
