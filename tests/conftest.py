@@ -1,15 +1,18 @@
-"""Shared fixtures. Triton runs on the CPU only through its interpreter, so CI sets it here."""
+"""Shared fixtures. Triton runs on the CPU only through its interpreter, so CI sets it here; on a
+machine with CUDA the Triton kernels run compiled (tests/core/test_cuda.py), not interpreted."""
 
 from __future__ import annotations
 
 import copy
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+import torch  # importing torch does not import triton
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 os.environ.setdefault("SPECFIT_DISABLE_PLUGIN_AUTOLOAD", "0")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 torch.set_num_threads(1)  # tiny models: threads only add overhead and noise on a shared machine
 

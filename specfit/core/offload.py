@@ -369,12 +369,13 @@ class OffloadRuntime:
                     self.stats.link_busy_seconds += ticket.seconds - measured
 
     def _copy(self, layer: int, loads: Sequence[tuple[int, int]]) -> None:
-        """Copy (expert, slot) pairs of one layer and wait for them (the preload: counted as
-        ``preload_bytes``, not as copies)."""
-        ticket = self._issue(layer, loads, count=False)
-        for _, slot in loads:
-            self._pending[layer].pop(slot, None)
-        ticket.wait()
+        """Copy (expert, slot) pairs of one layer now (the preload: counted as ``preload_bytes``, not
+        as copies). One bulk copy at build time, not a transfer a pass waits for: it goes straight
+        through torch rather than the copy engine, so an unpinned store (``cache=full`` does not pin
+        what it reads once) is fine with the Triton engine too, and no emulated link is charged."""
+        experts, slots = (torch.tensor(ids, dtype=torch.int64) for ids in zip(*loads))
+        rows = self.store.layers[layer].index_select(0, experts).to(self.device)
+        self.slots[layer].index_copy_(0, slots.to(self.device), rows)
 
     def _preload(self, preload: dict[int, list[tuple[int, int]]]) -> None:
         """Allocate the slots and copy the policy's preload, layer by layer.

@@ -27,7 +27,8 @@ def test_greedy_on_cuda_matches_hf_generate_on_cuda(arch, cache, copy):
         ref = reference_model.generate(torch.tensor([PROMPT], device="cuda"), max_new_tokens=24, min_new_tokens=24,
                                        do_sample=False)[0, len(PROMPT):].tolist()
     engine = Engine(tiny_model(arch), cache=CACHES[cache](), copy=copy, device="cuda")
-    assert engine.runtime.store.pinned  # (cache=full then drops the host copy: the slots hold it)
+    # pinned for the copies; cache=full copies once at build, from an unpinned store it then drops
+    assert engine.runtime.store.pinned == (cache != "full")
     assert engine.runtime.slots[0].is_cuda
     out = engine.generate(PROMPT, max_new_tokens=24)
     assert out.token_ids == ref
@@ -120,3 +121,22 @@ def test_runtime_waits_per_slot_with_random_prefetches_on_cuda():
         out = engine.generate(PROMPT, max_new_tokens=16)
         assert out.token_ids == ref
         assert runtime.stats.prefetch_issued > 0
+
+
+@pytest.mark.parametrize("timing", ["wall", "events"])
+def test_a_ticket_waited_late_is_charged_its_copy_time_not_the_time_since_its_issue(timing):
+    """A prefetch waited for a pass later is charged the copy's own time on the copy stream: the wall
+    time since its issue held everything that ran meanwhile (a first H200 run summed 9.2 s of
+    "copies" over a 51 ms prefill). A synchronous copy keeps its wall time under timing="wall"."""
+    import time
+
+    from specfit.core.copy_engines import TorchCopyEngine
+
+    engine = TorchCopyEngine("cuda", timing=timing)
+    store, slots = _pinned(4, 1 << 20), torch.zeros(4, 1 << 20, device="cuda")  # 16 MB: well under 10 ms
+    ticket = engine.issue(store, torch.arange(4), slots, torch.arange(4))
+    time.sleep(0.1)
+    ticket.wait()
+    assert 0.0 < ticket.seconds < 0.05
+    record = engine.copy(store, torch.arange(4), slots, torch.arange(4))
+    assert 0.0 < record.seconds < 0.05 and record.experts == 4
