@@ -230,12 +230,13 @@ def _plots(summary: Sequence[dict[str, Any]], out: Path) -> list[str]:
 def verify_split(row: dict[str, Any]) -> tuple[float, float]:
     """(compute, stall) seconds of a run's verification passes.
 
-    Where the copies are asynchronous and their wait is measured on the host (the emulated link:
-    rows with ``h2d_stall_seconds`` and ``verify_seconds``), the stall is that measured wait and
-    compute the rest, so transfers hidden behind drafting or compute count nowhere. Otherwise (a
-    CPU or CUDA engine, or results from before issue 14) every H2D second is taken as waited, as
-    before."""
-    if row.get("h2d_emulated") and "h2d_stall_seconds" in row and "verify_seconds" in row:
+    Where the copies are asynchronous and their wait is measured on the host (the emulated link, a
+    CUDA engine with a measuring timing: rows with ``h2d_stall_seconds`` and ``verify_seconds``),
+    the stall is that measured wait and compute the rest, so transfers hidden behind drafting or
+    compute count nowhere. Otherwise (a CPU engine, or results from before issue 14) every H2D
+    second is taken as waited, as before."""
+    measured = row.get("h2d_stall_measured", row.get("h2d_emulated"))
+    if measured and "h2d_stall_seconds" in row and "verify_seconds" in row:
         stall = float(row["h2d_stall_seconds"])
         return max(float(row["verify_seconds"]) - stall, 0.0), stall
     return float(row.get("verify_compute_seconds", 0.0)), float(row.get("h2d_seconds", 0.0))

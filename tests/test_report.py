@@ -113,6 +113,10 @@ def test_bench_rows_and_table_carry_the_pipelined_figures(tmp_path, capsys):
             assert key in row, key
     assert any(r["prefetch_issued"] for r in rows if r["method"] == "ar_prefetch")
     assert not any(r["prefetch_issued"] for r in rows if r["method"] == "ar")
+    for row in rows:  # the link's waits are measured: compute is the passes' time less that stall, not
+        # less every copy's charge (prefetches land while the passes compute: that went negative)
+        assert row["h2d_stall_measured"] and 0.0 < row["verify_compute_seconds"] <= row["verify_seconds"]
+        assert row["verify_compute_seconds"] == pytest.approx(row["verify_seconds"] - row["h2d_stall_seconds"])
 
 
 def _timed(method: str, prompt: int, repeat: int, seconds: float, workload: str = "w") -> dict:

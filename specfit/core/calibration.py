@@ -33,6 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from specfit.core.copy_engines import waits_measured
 from specfit.core.stats import CycleRecord
 from specfit.errors import ConfigError
 from specfit.files import read_json_object
@@ -301,7 +302,8 @@ def run_calibration(engine: Any, prompts: Sequence[Any], max_new_tokens: int, se
 
 def pipelined(engine: Any) -> bool:
     """Copies overlap other work and their stall is measured on the host: a prefetcher over the
-    emulated link (a CUDA engine waits on events without a host sync, so its stall is not seen)."""
+    emulated link or a CUDA engine with a measuring timing (with ``timing="none"`` a CUDA engine
+    waits on events without a host sync, so its stall is not seen)."""
     prefetcher = getattr(engine, "prefetcher", None)
     return (prefetcher is not None and getattr(prefetcher, "name", "none") != "none"
-            and bool(getattr(engine.copy_engine, "emulated", False)))
+            and waits_measured(engine.copy_engine))

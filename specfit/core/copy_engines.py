@@ -251,17 +251,21 @@ class _StreamedCopy:
 
     def _run(self, slots: torch.Tensor, enqueue: Callable[[], None]) -> float:
         """Run ``enqueue`` synchronously (a copy is its issue and its wait); its seconds as timed."""
-        ticket = self._issue(slots, enqueue, 0, 0)
+        ticket = self._issue(slots, enqueue, 0, 0, synchronous=True)
         ticket.wait()
         return ticket.seconds
 
-    def _issue(self, slots: torch.Tensor, enqueue: Callable[[], None], experts: int, nbytes: int) -> CopyTicket:
+    def _issue(self, slots: torch.Tensor, enqueue: Callable[[], None], experts: int, nbytes: int,
+               synchronous: bool = False) -> CopyTicket:
         """Enqueue a copy and return its ticket (see the module docstring).
 
         Off CUDA the copy runs now and the ticket is already complete. On CUDA the copy stream first
         waits for the compute stream (queued compute may still read a slot being overwritten), the
         copy's event is recorded, and ``wait()`` makes the compute stream wait on that event; the
-        measuring timings then also block the host on that event alone (not the device).
+        measuring timings then also block the host on that event alone (not the device). A ticket
+        waited long after its issue (a prefetch, a pipelined round) is charged the copy's own time on
+        the copy stream (CUDA events), not the wall time since its issue, which holds whatever ran
+        meanwhile; ``timing="wall"`` keeps the wall time for a synchronous ``copy``.
         """
         t0 = time.perf_counter()
         if not slots.is_cuda:
@@ -274,7 +278,7 @@ class _StreamedCopy:
             stream = self.copy_stream_for(dev)
             if self.order_after_compute:
                 stream.wait_stream(compute)
-            use_events = self.timing == "events"
+            use_events = self.timing == "events" or (self.timing == "wall" and not synchronous)
             start = torch.cuda.Event(enable_timing=True) if use_events else None
             done = torch.cuda.Event(enable_timing=use_events)
             with torch.cuda.stream(stream):
@@ -579,6 +583,17 @@ class LinkSettings:
         if unknown:
             raise ValueError(f"unknown cache.link key(s) {unknown}; valid keys: {sorted(known)}")
         return cls(**dict(data))
+
+
+def waits_measured(engine: Any) -> bool:
+    """Whether a ticket's ``wait()`` returns the time the host really blocked for its copy: the
+    emulated link, or a CUDA engine with a measuring timing (it synchronises on the copy's event).
+    A pass's time then holds its stall, not the seconds of every copy it issued (prefetches and
+    pipelined rounds land while it computes)."""
+    if getattr(engine, "emulated", False):
+        return True
+    device = getattr(engine, "device", None)
+    return device is not None and torch.device(device).type == "cuda" and getattr(engine, "timing", "none") != "none"
 
 
 def _wait_until(deadline: float, spin_s: float = 2e-3) -> None:

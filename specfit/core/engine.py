@@ -21,7 +21,7 @@ from specfit.core import guard
 from specfit.core.acceptance_estimators import bind_estimator_target
 from specfit.core.calibration import pipelined
 from specfit.core.context import TokenContext
-from specfit.core.copy_engines import CopyEngine, LinkSettings, make_copy_engine
+from specfit.core.copy_engines import CopyEngine, LinkSettings, make_copy_engine, waits_measured
 from specfit.core.cycle import Cycle, CycleObserver, CycleTimes, Verdict, check_parts, target_prob
 from specfit.core.expert_store import HostExpertStore
 from specfit.core.numerics import apply_numerics, check_numerics, numerics_info
@@ -127,7 +127,7 @@ class Engine:
             self.prefetch_sink = LiveSink(prefetcher, self.runtime, cost_model)
             self.prefetch_sink.call("bind", self.target, self.prefetch_sink)
         self.copies_overlap = pipelined(self)  # cycles' times then hold the stall, not the issued copies
-        self.stall_measured = bool(getattr(self.copy_engine, "emulated", False))  # its waits are the host's
+        self.stall_measured = waits_measured(self.copy_engine)  # its waits are the host's
         self.sampling = sampling or SamplingParams()
         self.max_new_tokens = max_new_tokens
         # prompt + output never exceed this (None: the model states no limit)
@@ -143,6 +143,7 @@ class Engine:
             "cache_slots_per_layer": self.runtime.slots_per_layer,
             "copy_engine": self.copy_engine.describe(),
             "h2d_emulated": bool(self.copy_engine.emulated),
+            "h2d_stall_measured": self.stall_measured,  # the stall is the host's wait (see verify_compute_seconds)
             "expert_compute": self.runtime.compute.name,
             **numerics_info(numerics, self.spec, model),
             **memory_info(self.runtime, model),

@@ -106,7 +106,10 @@ class RunStats:
             "experts_per_layer_union_by_layer": [round(float(u), 3) for u in union],
             "draft_seconds": sum(c.draft_seconds for c in cycles),
             "select_seconds": sum(c.select_seconds for c in cycles),
-            "verify_compute_seconds": sum(c.verify_seconds - c.h2d_seconds for c in cycles),
+            # the passes' time less what they waited on copies: the measured stall where copies run
+            # asynchronously and the host measures its waits, otherwise every copy's time
+            "verify_compute_seconds": sum(c.verify_seconds - (c.h2d_stall_seconds if c.stall_measured else c.h2d_seconds)
+                                          for c in cycles),
             "verify_seconds": sum(c.verify_seconds for c in cycles),  # stall included (the report splits it)
             **_prediction_summary(cycles),
             **self.info,

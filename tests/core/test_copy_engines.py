@@ -249,3 +249,12 @@ def test_factory_kinds_and_error():
         make_copy_engine("cuda-memcpy", DEVICE, None)
     for kind in ("triton", "torch", "emulated"):
         assert kind in str(err.value)
+
+
+def test_waits_are_measured_on_the_emulated_link_and_on_cuda_with_a_measuring_timing():
+    """Where a ticket's wait is the host's real block, a pass's time holds its stall rather than its
+    copies' time (stats, calibration and the report's breakdown use the stall there)."""
+    assert ce.waits_measured(EmulatedLinkEngine())
+    assert not ce.waits_measured(TorchCopyEngine("cpu"))  # synchronous: the copy is in the pass's time
+    assert ce.waits_measured(TorchCopyEngine("cuda")) and ce.waits_measured(TorchCopyEngine("cuda", timing="events"))
+    assert not ce.waits_measured(TorchCopyEngine("cuda", timing="none"))  # the host never blocks: nothing seen
