@@ -140,6 +140,9 @@ class SpecfitConfig:
     method_presets: dict[str, list[str]] = field(default_factory=dict)
     workloads: list[str] = field(default_factory=list)
     repeats: int = 1
+    # untimed decodes of the first prompt by each engine before the timed runs: a GPU's kernel
+    # compilation and autotuning are not timed (the engines learn from them as from any decode)
+    warmup: int = 0
     baseline: str = "ar"  # speedups are relative to this method (and to eagle3_nocache when present)
     trace: TraceConfig = field(default_factory=TraceConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
@@ -299,6 +302,7 @@ def _check_values(cfg: DictConfig) -> None:
 
     integer("max_new_tokens", cfg.max_new_tokens, minimum=1)
     integer("repeats", cfg.repeats, minimum=1)
+    integer("warmup", cfg.warmup, minimum=0)
     if cfg.prompt_ids is not None:
         token_ids("prompt_ids", cfg.prompt_ids, allow_empty=False)
     token_ids("stop_token_ids", cfg.stop_token_ids)

@@ -160,6 +160,7 @@ CASES: list[tuple[str, str, str]] = [
     ("bench model=tiny prompt_ids=[1] methods=[nope]", "nope", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=[ar] repeats=0", "repeats", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=[ar] repeats=1.5", "repeats", EARLY),
+    ("bench model=tiny prompt_ids=[1] methods=[ar] warmup=-1", "warmup", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=[ar] baseline=nope", "baseline", EARLY),
     ("bench model=tiny prompt_ids=[1] drafter.topk=3", "topk", EARLY),
     ("demo methods=[ar,nope]", "nope", EARLY),

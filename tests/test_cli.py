@@ -123,6 +123,21 @@ def test_bench_runs_methods_side_by_side(tmp_path, capsys):
         assert sum(choice["accept_lengths"]) + 1 == 6  # tokens committed per cycle, after the prefill's token
 
 
+def test_bench_warmup_decodes_each_engine_before_the_timed_runs(tmp_path, capsys, monkeypatch):
+    from specfit.core.engine import Engine
+
+    calls = []
+    real = Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, *a, **k: calls.append(id(self)) or real(self, *a, **k))
+    main(["bench", "model=tiny", "methods=[ar,ar_prefetch]", "prompt_ids=[5,17,99]", "max_new_tokens=4",
+          "warmup=2", "repeats=1", f"hydra.run.dir={tmp_path}"])
+    assert "output tokens identical across methods: yes" in capsys.readouterr().out
+    assert len(calls) == 2 * 2 + 2 and len(set(calls[:4])) == 2  # two untimed rounds over both engines first
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in rows] == ["ar", "ar_prefetch"]  # the warm-up decodes are not results
+    assert all(r["config"]["warmup"] == 2 for r in rows)
+
+
 def test_unknown_method_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["bench", "model=tiny", "methods=[warp_drive]", "prompt_ids=[1]", f"hydra.run.dir={tmp_path}"])

@@ -207,6 +207,9 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
             about = describe(any_cfg.workload)
             done = _completed(results, configs) if cfg.resume else {}
             engines = {m: build(c, check_prompts=prompts) for m, c in configs.items()}
+            for _ in range(cfg.warmup if prompts else 0):
+                for engine in engines.values():
+                    engine.generate(prompts[0])
             per_method: dict[str, list[dict[str, Any]]] = {m: [] for m in engines}
             outputs: dict[int, dict[str, list[int]]] = {}
             total = cfg.repeats * len(prompts) * len(engines)
