@@ -21,16 +21,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
+from specfit import cli
 from specfit.bench.real_dims import QWEN3_30B_A3B, checkpoint
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--copy", default="torch", help="cache.copy: torch | triton | emulated")
@@ -47,12 +46,13 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=QWEN3_30B_A3B.hidden)
     ap.add_argument("--experts", type=int, default=QWEN3_30B_A3B.experts)
     ap.add_argument("--intermediate", type=int, default=QWEN3_30B_A3B.intermediate)
+    ap.add_argument("--top-k", type=int, default=QWEN3_30B_A3B.top_k)
     ap.add_argument("--workdir", default="/tmp/specfit-real-dims")
     ap.add_argument("--out", default="real-dims-decode")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     dims = dataclasses.replace(QWEN3_30B_A3B, layers=args.layers, hidden=args.hidden, experts=args.experts,
-                               intermediate=args.intermediate)
+                               intermediate=args.intermediate, top_k=args.top_k)
     ckpt = checkpoint(dims, Path(args.workdir), device=args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -62,14 +62,14 @@ def main() -> int:
         for _ in range(args.prompts):
             ids = torch.randint(0, dims.vocab, (args.prompt_len,), generator=gen).tolist()
             f.write(json.dumps({"prompt_ids": ids}) + "\n")
-    cmd = [sys.executable, "-m", "specfit.cli", "bench", f"model.path={ckpt}", "model.dtype=bfloat16",
-           f"model.device={args.device}", "workload=jsonl", f"workload.path={prompts}",
-           f"methods=[{args.methods}]", f"cache.capacity={args.capacity}", f"cache.copy={args.copy}",
-           f"max_new_tokens={args.new_tokens}", f"repeats={args.repeats}", f"warmup={args.warmup}", "ignore_eos=true",
-           f"sampling.temperature={args.temperature}", f"model.expert_compute={args.expert_compute}",
-           f"hydra.run.dir={out}"]
-    print("#", " ".join(cmd), flush=True)
-    return subprocess.call(cmd)
+    overrides = [f"model.path={ckpt}", "model.dtype=bfloat16", f"model.device={args.device}", "workload=jsonl",
+                 f"workload.path={prompts}", f"methods=[{args.methods}]", f"cache.capacity={args.capacity}",
+                 f"cache.copy={args.copy}", f"max_new_tokens={args.new_tokens}", f"repeats={args.repeats}",
+                 f"warmup={args.warmup}", "ignore_eos=true", f"sampling.temperature={args.temperature}",
+                 f"model.expert_compute={args.expert_compute}", f"hydra.run.dir={out}"]
+    print("# specfit bench", " ".join(overrides), flush=True)
+    cli.main(["bench", *overrides])
+    return 0
 
 
 if __name__ == "__main__":
