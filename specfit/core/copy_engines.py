@@ -112,8 +112,9 @@ class CopyTicket:
 
     def row(self, index: int) -> CopyTicket:
         """The ticket of the batch's ``index``-th expert alone, where the engine knows when each lands
-        (the emulated link: expert i lands ``i + 1`` expert charges after the transfer starts);
-        otherwise the batch's own ticket. A layer that waits for its experts then waits for them,
+        (the emulated link: expert i lands ``i + 1`` expert charges after the transfer starts; the
+        torch engine on CUDA: an event on the copy stream after each expert's copy); otherwise (the
+        Triton engine's single launch) the batch's own ticket. A layer that waits for its experts then waits for them,
         not for the rest of a batch it may not use (a prefetch's last, least likely pick)."""
         return self._row(index) if self._row is not None else self
 
@@ -281,12 +282,33 @@ class _StreamedCopy:
             use_events = self.timing == "events" or (self.timing == "wall" and not synchronous)
             start = torch.cuda.Event(enable_timing=True) if use_events else None
             done = torch.cuda.Event(enable_timing=use_events)
+            marks: list[torch.cuda.Event] = []  # one event after each expert, where the engine copies one by one
+
+            def mark() -> None:
+                marks.append(torch.cuda.Event(enable_timing=use_events))
+                marks[-1].record(stream)
+
             with torch.cuda.stream(stream):
                 if start is not None:
                     start.record(stream)
-                enqueue()
+                enqueue(mark if experts > 1 else None)
                 done.record(stream)
-        ticket = CopyTicket(experts, nbytes, time.perf_counter() - t0, t0, event=done)
+        enqueued = time.perf_counter() - t0
+        ticket = self._cuda_ticket(dev, experts, nbytes, enqueued, t0, start, done)
+        if len(marks) == experts > 1:  # each expert's own event: a layer waits for its experts only
+            def row(index: int) -> CopyTicket:
+                if not 0 <= index < experts:
+                    raise IndexError(f"row {index} of a copy of {experts} experts")
+                return self._cuda_ticket(dev, 1, nbytes // experts, enqueued / experts, t0,
+                                         start if index == 0 else marks[index - 1], marks[index])
+
+            ticket._row = row
+        return ticket
+
+    def _cuda_ticket(self, dev: torch.device, experts: int, nbytes: int, enqueued: float, t0: float,
+                     start: Any, done: Any) -> CopyTicket:
+        """The ticket of a copy that lands with ``done`` (recorded on the copy stream after ``start``)."""
+        ticket = CopyTicket(experts, nbytes, enqueued, t0, event=done)
         timing = self.timing
 
         def wait() -> float:
@@ -341,22 +363,24 @@ class TorchCopyEngine(_StreamedCopy):
         super().__init__(device, timing, order_after_compute)
 
     def _prepare(self, store: torch.Tensor, src_ids: Any, slots: torch.Tensor,
-                 dst_slots: Any) -> tuple[int, int, Callable[[], None]]:
+                 dst_slots: Any) -> tuple[int, int, Callable[..., None]]:
         src, dst = _check_args(store, src_ids, slots, dst_slots)
         n = src.numel()
         if n == 0:
             return 0, 0, lambda: None
 
         if store.device == slots.device and slots.is_cuda:
-            def enqueue() -> None:
+            def enqueue(mark: Callable[[], None] | None = None) -> None:  # one gather: no per-expert marks
                 s, d = _ids_to_device(src, dst, slots.device)
                 slots.index_copy_(0, d, store.index_select(0, s))
         else:  # host to device, or on a CPU: one memcpy per expert, no gathered temporary
             pairs = list(zip(src.tolist(), dst.tolist()))
 
-            def enqueue() -> None:
+            def enqueue(mark: Callable[[], None] | None = None) -> None:
                 for s_i, d_i in pairs:
                     slots[d_i].copy_(store[s_i], non_blocking=True)
+                    if mark is not None:  # on CUDA: this expert's own event
+                        mark()
 
         return n, n * store.shape[1] * store.element_size(), enqueue
 
@@ -485,7 +509,7 @@ class TritonCopyEngine(_StreamedCopy):
             ) from exc
 
     def _prepare(self, store: torch.Tensor, src_ids: Any, slots: torch.Tensor,
-                 dst_slots: Any) -> tuple[int, int, Callable[[], None]]:
+                 dst_slots: Any) -> tuple[int, int, Callable[..., None]]:
         src, dst = _check_args(store, src_ids, slots, dst_slots)
         n = src.numel()
         if n == 0:
@@ -517,7 +541,7 @@ class TritonCopyEngine(_StreamedCopy):
         grid = (n, min(_cdiv(row_words, block), _MAX_GRID_Y))
         kernel, num_warps = self._kernel, self.num_warps
 
-        def enqueue() -> None:
+        def enqueue(mark: Callable[[], None] | None = None) -> None:  # one launch: no per-expert marks
             if slots.is_cuda:
                 s_ids, d_ids = _ids_to_device(src, dst, slots.device)
             else:
@@ -671,7 +695,7 @@ class EmulatedLinkEngine:
         clock, wait_until = self.clock, self.wait_until
         per_expert = (charge - self.latency_us * 1e-6) / inner.experts
 
-        def ticket(experts: int, nbytes: int, seconds: float, ready: float) -> CopyTicket:
+        def ticket(experts: int, nbytes: int, seconds: float, ready: float, inner: CopyTicket = inner) -> CopyTicket:
             def wait() -> float:
                 inner.wait()
                 before = clock()
@@ -687,7 +711,7 @@ class EmulatedLinkEngine:
             if not 0 <= index < inner.experts:
                 raise IndexError(f"row {index} of a copy of {inner.experts} experts")
             ready = done - (inner.experts - 1 - index) * per_expert  # the last row lands when the batch does
-            return ticket(1, inner.bytes // inner.experts, per_expert, ready)
+            return ticket(1, inner.bytes // inner.experts, per_expert, ready, inner.row(index))
 
         whole = ticket(inner.experts, inner.bytes, charge, done)
         whole._row = row

@@ -140,3 +140,23 @@ def test_a_ticket_waited_late_is_charged_its_copy_time_not_the_time_since_its_is
     assert 0.0 < ticket.seconds < 0.05
     record = engine.copy(store, torch.arange(4), slots, torch.arange(4))
     assert 0.0 < record.seconds < 0.05 and record.experts == 4
+
+
+def test_the_torch_engine_lands_each_expert_on_its_own_event():
+    """A batch of per-expert copies records an event after each: a layer waits for its own experts,
+    not for the rest of a prefetch it may not use (as on the emulated link); a waited row is right
+    and charged its own copy's time. The Triton engine's one launch has one event for the batch."""
+    from specfit.core.copy_engines import TorchCopyEngine, TritonCopyEngine
+
+    store, slots = _pinned(8, 1 << 20), torch.zeros(4, 1 << 20, device="cuda")
+    ticket = TorchCopyEngine("cuda").issue(store, torch.tensor([6, 2, 5]), slots, torch.tensor([0, 3, 1]))
+    rows = [ticket.row(i) for i in range(3)]
+    assert len({id(r.event) for r in rows} | {id(ticket.event)}) == 4 and rows[2].event is not ticket.event
+    assert all(r.experts == 1 for r in rows)
+    rows[1].wait()
+    assert torch.equal(slots[3].cpu(), store[2]) and 0.0 < rows[1].seconds < 0.05
+    with pytest.raises(IndexError):
+        ticket.row(3)
+    batch = TritonCopyEngine("cuda").issue(store, torch.tensor([1, 4]), slots, torch.tensor([2, 0]))
+    assert batch.row(1) is batch
+    torch.cuda.synchronize()
