@@ -111,9 +111,11 @@ step 120 1-test-cuda $PY -m pytest -q -p no:cacheprovider -rfE $XDIST tests/core
 step 30 2-h2d-bandwidth $PY -m specfit.bench.h2d_bandwidth --out "$OUT/h2d_bandwidth.jsonl" "${H2D[@]}"
 step 30 3-overlap $PY scripts/overlap_check.py --device "$DEVICE" --copies "$(echo $COPIES | tr ' ' ,)" \
   --out "$OUT/overlap.jsonl" "${OVERLAP[@]}"
-FIRST_COPY=${COPIES##* }  # torch where both run
-step 120 "4-real-dims-decode-$FIRST_COPY" $PY scripts/real_dims_decode.py --device "$DEVICE" --copy "$FIRST_COPY" \
-  --workdir "$WORK" --out "$OUT/real-dims-decode-$FIRST_COPY" "${DECODE[@]}"
+read -r -a ENGINES <<< "$COPIES"
+MAIN_COPY=torch  # the engine that overlaps copies with compute; the others run later (step 8)
+[[ " ${ENGINES[*]} " == *" torch "* ]] || MAIN_COPY=${ENGINES[0]}
+step 120 "4-real-dims-decode-$MAIN_COPY" $PY scripts/real_dims_decode.py --device "$DEVICE" --copy "$MAIN_COPY" \
+  --workdir "$WORK" --out "$OUT/real-dims-decode-$MAIN_COPY" "${DECODE[@]}"
 # Issue 14's bar and issue 15's live check, as docs/results.md runs them on the CPU, with the target on
 # this device: the demo pair's compute on the GPU, its expert copies charged by the emulated link
 # (Qwen3-30B-A3B experts over PCIe 4.0). The second run builds fresh engines on the setup the first
@@ -126,8 +128,8 @@ step 90 6-live-issue15 env SPECFIT_HOME="$OUT/bar-home" $PY -m specfit.cli bench
   hydra.run.dir="$OUT/live-issue15"
 step 90 7-real-dims $PY -m specfit.bench.real_dims --device "$DEVICE" --workdir "$WORK" --measures ops,time \
   --out "$OUT/real_dims.jsonl" "${DIMS[@]}"
-for copy in ${COPIES% *}; do  # the other copy engine (triton), where both run
-  [ "$copy" = "$FIRST_COPY" ] && continue
+for copy in "${ENGINES[@]}"; do  # the other copy engine (triton), where both run
+  [ "$copy" = "$MAIN_COPY" ] && continue
   step 90 "8-real-dims-decode-$copy" $PY scripts/real_dims_decode.py --device "$DEVICE" --copy "$copy" \
     --workdir "$WORK" --out "$OUT/real-dims-decode-$copy" "${DECODE[@]}"
 done

@@ -109,7 +109,8 @@ def checkpoint(dims: Dims, workdir: Path, seed: int = 0, device: str = "cpu") ->
 
     The random weights are drawn on ``device``: a GPU fills gigabytes in seconds, where the CPU
     initialisation of 4 layers at Qwen3-30B-A3B's dims took over 100 s on a 16-core GPU host. Its
-    random numbers differ from the CPU's, so the device is part of the checkpoint's name."""
+    random numbers differ from the CPU's (and may differ between GPU models), so the device is part
+    of the checkpoint's name."""
     device = torch.device(device).type
     suffix = "" if device == "cpu" else f"-{device}"
     path = workdir / f"qwen3moe-{'-'.join(str(v) for v in asdict(dims).values())}-s{seed}{suffix}"
@@ -127,6 +128,8 @@ def checkpoint(dims: Dims, workdir: Path, seed: int = 0, device: str = "cpu") ->
     model.save_pretrained(path)
     del model
     gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the caller builds engines next, in this process
     stamp.write_text(json.dumps({"dims": asdict(dims), "seed": seed}))
     return path
 

@@ -20,10 +20,12 @@ event, so compute never reads a slot before its copy lands. A cache that tracks 
 turn the first wait off (``order_after_compute=False``) and make ``engine.copy_stream`` wait on its
 own events instead, which lets copies overlap earlier layers' compute.
 
-Timing on CUDA (``timing=``): ``"wall"`` (default) is host wall time from the call until the copy's
-event completes, i.e. the stall a synchronous caller sees, including any queued compute the copy had
-to wait behind; ``"events"`` synchronises the same way but reports CUDA-event time of the copy alone
-(pure transfer time); ``"none"`` never blocks the host and reports only the enqueue time (a lower
+Timing on CUDA (``timing=``): ``"wall"`` (default) charges a synchronous ``copy`` the host wall time
+from the call until the copy's event completes, i.e. the stall a synchronous caller sees, including
+any queued compute the copy had to wait behind, and an issued copy (waited later: a prefetch, a
+pipelined round) the CUDA-event time of the copy alone; ``"events"`` always reports the event time
+(pure transfer time); both block the host on the copy's event when it is waited for, and that
+block is the stall. ``"none"`` never blocks the host and reports only the enqueue time (a lower
 bound) for production runs that must avoid a GPU-to-host sync per layer. On CPU every copy is
 synchronous and ``seconds`` is its wall time.
 
@@ -294,38 +296,18 @@ class _StreamedCopy:
                 enqueue(mark if experts > 1 else None)
                 done.record(stream)
         enqueued = time.perf_counter() - t0
-        ticket = self._cuda_ticket(dev, experts, nbytes, enqueued, t0, start, done)
+        timing = self.timing  # as issued: the events were created for it
+        ticket = _cuda_ticket(dev, timing, experts, nbytes, enqueued, t0, start, done)
         if len(marks) == experts > 1:  # each expert's own event: a layer waits for its experts only
             def row(index: int) -> CopyTicket:
                 if not 0 <= index < experts:
                     raise IndexError(f"row {index} of a copy of {experts} experts")
-                return self._cuda_ticket(dev, 1, nbytes // experts, enqueued / experts, t0,
-                                         start if index == 0 else marks[index - 1], marks[index])
+                return _cuda_ticket(dev, timing, 1, nbytes // experts, enqueued / experts, t0,
+                                    start if index == 0 else marks[index - 1], marks[index])
 
             ticket._row = row
         return ticket
 
-    def _cuda_ticket(self, dev: torch.device, experts: int, nbytes: int, enqueued: float, t0: float,
-                     start: Any, done: Any) -> CopyTicket:
-        """The ticket of a copy that lands with ``done`` (recorded on the copy stream after ``start``)."""
-        ticket = CopyTicket(experts, nbytes, enqueued, t0, event=done)
-        timing = self.timing
-
-        def wait() -> float:
-            torch.cuda.current_stream(dev).wait_event(done)  # compute never reads a slot before it lands
-            if timing == "none":
-                return 0.0
-            t_wait = time.perf_counter()
-            done.synchronize()
-            now = time.perf_counter()
-            ticket.seconds = start.elapsed_time(done) / 1e3 if start is not None else now - t0
-            return now - t_wait
-
-        def remaining() -> float:
-            return 0.0 if done.query() else max(ticket.seconds, 1e-6)
-
-        ticket._wait, ticket._remaining = wait, remaining
-        return ticket
 
     def _settings(self) -> dict:
         return {
@@ -333,6 +315,32 @@ class _StreamedCopy:
             "order_after_compute": self.order_after_compute,
             "device": str(self.device) if self.device is not None else None,
         }
+
+
+def _cuda_ticket(dev: torch.device, timing: Timing, experts: int, nbytes: int, enqueued: float, t0: float,
+                 start: Any, done: Any) -> CopyTicket:
+    """The ticket of a CUDA copy that lands with ``done``, recorded on the copy stream after ``start``
+    (None: not timed by events). Waiting makes the compute stream wait on ``done``; a measuring
+    ``timing`` also blocks the host on ``done`` alone. That block is the stall the host sees: with
+    pipelined rounds the GPU may still be computing the previous round meanwhile, so as the GPU's
+    idle time it is an upper bound."""
+    ticket = CopyTicket(experts, nbytes, enqueued, t0, event=done)
+
+    def wait() -> float:
+        torch.cuda.current_stream(dev).wait_event(done)  # compute never reads a slot before it lands
+        if timing == "none":
+            return 0.0
+        t_wait = time.perf_counter()
+        done.synchronize()
+        now = time.perf_counter()
+        ticket.seconds = start.elapsed_time(done) / 1e3 if start is not None else now - t0
+        return now - t_wait
+
+    def remaining() -> float:
+        return 0.0 if done.query() else max(ticket.seconds, 1e-6)
+
+    ticket._wait, ticket._remaining = wait, remaining
+    return ticket
 
 
 # --------------------------------------------------------------------------------------------------
@@ -613,7 +621,8 @@ def waits_measured(engine: Any) -> bool:
     """Whether a ticket's ``wait()`` returns the time the host really blocked for its copy: the
     emulated link, or a CUDA engine with a measuring timing (it synchronises on the copy's event).
     A pass's time then holds its stall, not the seconds of every copy it issued (prefetches and
-    pipelined rounds land while it computes)."""
+    pipelined rounds land while it computes). On CUDA that stall is the host's block, an upper bound
+    of the GPU's idle time where rounds are pipelined (see :func:`_cuda_ticket`)."""
     if getattr(engine, "emulated", False):
         return True
     device = getattr(engine, "device", None)

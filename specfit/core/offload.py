@@ -373,9 +373,9 @@ class OffloadRuntime:
         as copies). One bulk copy at build time, not a transfer a pass waits for: it goes straight
         through torch rather than the copy engine, so an unpinned store (``cache=full`` does not pin
         what it reads once) is fine with the Triton engine too, and no emulated link is charged."""
-        experts, slots = (torch.tensor(ids, dtype=torch.int64) for ids in zip(*loads))
-        rows = self.store.layers[layer].index_select(0, experts).to(self.device)
-        self.slots[layer].index_copy_(0, slots.to(self.device), rows)
+        host, slots = self.store.layers[layer], self.slots[layer]
+        for expert, slot in loads:  # expert by expert: no gathered temporary as large as the layer
+            slots[slot].copy_(host[expert])
 
     def _preload(self, preload: dict[int, list[tuple[int, int]]]) -> None:
         """Allocate the slots and copy the policy's preload, layer by layer.

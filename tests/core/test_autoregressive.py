@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, tiny_model
+from conftest import ARCHITECTURES, TRITON_ON_CPU, tiny_model
 
 from specfit import Engine
 from specfit.core.copy_engines import EmulatedLinkEngine, LinkSettings, TorchCopyEngine
@@ -40,7 +40,7 @@ def test_greedy_matches_hf_generate(arch, cache):
         assert stats["expert_cache_misses"] > 0
 
 
-@pytest.mark.parametrize("copy", ["triton", "emulated"])
+@pytest.mark.parametrize("copy", [pytest.param("triton", marks=TRITON_ON_CPU), "emulated"])
 def test_greedy_identical_through_every_copy_engine(copy):
     reference = hf_greedy(tiny_model(), PROMPT, 12)
     engine = Engine(tiny_model(), cache=LRUCache(capacity=2), copy=copy, link=LinkSettings(latency_us=1.0), device="cpu")

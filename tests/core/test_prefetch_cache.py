@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import TRITON_ON_CPU, tiny_model
 
 from specfit import Engine
 from specfit.core.copy_engines import LinkSettings
@@ -194,7 +194,7 @@ def test_eviction_safety_under_a_fuzzed_policy(seed):
 
 
 @pytest.mark.parametrize("cache", list(CACHES))
-@pytest.mark.parametrize("copy", ["torch", "emulated", "triton"])
+@pytest.mark.parametrize("copy", ["torch", "emulated", pytest.param("triton", marks=TRITON_ON_CPU)])
 def test_random_prefetches_never_change_the_output(cache, copy):
     expected = hf_greedy(PROMPT, 12)
     engine = Engine(tiny_model(), cache=CACHES[cache](), copy=copy, link=LinkSettings(latency_us=1.0), device="cpu")
