@@ -28,12 +28,10 @@
 #   DEVICE=cpu SMALL=1 OUT=/tmp/gpu-dry bash scripts/gpu_check.sh
 #
 # The device image has its own torch/triton/transformers and no network: the pure-Python
-# packages specfit needs beyond it travel as wheels made here with
-#   pip download --no-deps -d .gpu-wheels hydra-core==1.3.8 omegaconf==2.3.0 transformers==5.24.0 pluggy==1.7.0
-#   pip wheel --no-deps -w .gpu-wheels antlr4-python3-runtime==4.9.3   # an sdist on PyPI
-# (named in the run's `carry`). Issue 14/15's bar steps read the held-out text from ../shared/data,
-# which does not travel with the working tree: copy it into the tree first (cp -r ../shared/data
-# .shared-data; ignored by git, named in `carry` too); SPECFIT_DATA_DIR then points there.
+# packages specfit needs beyond it travel as wheels in .gpu-wheels/, and issue 14/15's bar steps
+# read the held-out text from a copy of ../shared/data in .shared-data/ (it does not travel with
+# the working tree; SPECFIT_DATA_DIR then points there). scripts/gpu_bundle.sh makes both (ignored
+# by git; name both in the run's `carry`) and shows the device command.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}

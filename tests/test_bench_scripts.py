@@ -101,7 +101,7 @@ def test_numerics_refuses_an_unknown_method():
         numerics.main(["--methods", "ar,medusa"])
 
 
-@pytest.mark.parametrize("script", ["gpu_check.sh", "estimator_eval.sh"])
+@pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_bundle.sh", "estimator_eval.sh"])
 def test_measurement_scripts_parse(script):
     bash = shutil.which("bash")
     if bash is None:
