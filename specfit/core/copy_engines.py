@@ -116,8 +116,9 @@ class CopyTicket:
         """The ticket of the batch's ``index``-th expert alone, where the engine knows when each lands
         (the emulated link: expert i lands ``i + 1`` expert charges after the transfer starts; the
         torch engine on CUDA: an event on the copy stream after each expert's copy); otherwise (the
-        Triton engine's single launch) the batch's own ticket. A layer that waits for its experts then waits for them,
-        not for the rest of a batch it may not use (a prefetch's last, least likely pick)."""
+        Triton engine's single launch) the batch's own ticket. A layer that waits for its experts
+        then waits for them, not for the rest of a batch it may not use (a prefetch's last, least
+        likely pick)."""
         return self._row(index) if self._row is not None else self
 
 
@@ -252,13 +253,13 @@ class _StreamedCopy:
             return CopyTicket(0, 0, 0.0, time.perf_counter())
         return self._issue(slots, enqueue, n, nbytes)
 
-    def _run(self, slots: torch.Tensor, enqueue: Callable[[], None]) -> float:
+    def _run(self, slots: torch.Tensor, enqueue: Callable[..., None]) -> float:
         """Run ``enqueue`` synchronously (a copy is its issue and its wait); its seconds as timed."""
         ticket = self._issue(slots, enqueue, 0, 0, synchronous=True)
         ticket.wait()
         return ticket.seconds
 
-    def _issue(self, slots: torch.Tensor, enqueue: Callable[[], None], experts: int, nbytes: int,
+    def _issue(self, slots: torch.Tensor, enqueue: Callable[..., None], experts: int, nbytes: int,
                synchronous: bool = False) -> CopyTicket:
         """Enqueue a copy and return its ticket (see the module docstring).
 
@@ -307,7 +308,6 @@ class _StreamedCopy:
 
             ticket._row = row
         return ticket
-
 
     def _settings(self) -> dict:
         return {
