@@ -17,12 +17,13 @@ import pytest  # noqa: E402
 torch.set_num_threads(1)  # tiny models: threads only add overhead and noise on a shared machine
 
 from specfit.core.builtin_models import build_builtin  # noqa: E402
+from specfit.core.copy_engines import triton_interpret_enabled  # noqa: E402
 
 ARCHITECTURES = ["tiny-qwen3-moe", "tiny-olmoe", "tiny-mixtral"]
 
 # Triton on CPU tensors runs only in its interpreter, set above where CUDA is absent; on a CUDA
 # machine tests/core/test_cuda.py runs the kernels compiled instead.
-TRITON_ON_CPU = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "").strip().lower() not in ("1", "true", "yes", "on", "y"),
+TRITON_ON_CPU = pytest.mark.skipif(not triton_interpret_enabled(),
                                    reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (CUDA machines: test_cuda.py)")
 
 
