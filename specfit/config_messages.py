@@ -37,7 +37,7 @@ def _did_you_mean(exc: BaseException | None) -> str:
         schema, key = getattr(exc, "object_type", None), getattr(exc, "key", None)
         if dataclasses.is_dataclass(schema) and isinstance(key, str):
             near = difflib.get_close_matches(key, [f.name for f in dataclasses.fields(schema)], n=1)
-            if near:
+            if near and near[0] != key:  # a key that exists was given a bad value: nothing to suggest
                 full = str(getattr(exc, "full_key", None) or key)
                 return f"; did you mean {full[: len(full) - len(key)]}{near[0]}?"
         exc = exc.__cause__
