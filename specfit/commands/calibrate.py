@@ -21,8 +21,11 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
     except ConfigError:
         prompts = None  # seeded random prompts
     results = check_writable(output_dir / cfg.results_file, "results_file")  # before measuring
+    # cost_model.calibration=FILE: the constants go there (auto: this setup's file under $SPECFIT_HOME)
+    source = cfg.cost_model.get("calibration", "auto")
+    path = None if source in ("auto", None) else check_writable(source, "cost_model.calibration")
     engine = build(cfg, calibrate_now=False)
-    constants, report = calibrate(engine, prompts, max_new_tokens=cfg.max_new_tokens)
+    constants, report = calibrate(engine, prompts, max_new_tokens=cfg.max_new_tokens, path=path)
     engine.cost_model.set_constants(constants)
     c = constants
     print(f"c0={c.c0 * 1e3:.3f}ms c_tok={c.c_tok * 1e3:.3f}ms c_miss={c.c_miss * 1e3:.3f}ms c_hit={c.c_hit * 1e3:.3f}ms "

@@ -15,7 +15,7 @@ from drafters import ScriptedDrafter
 
 import specfit
 from specfit import Engine
-from specfit.core.calibration import CostConstants, fit_constants, nnls
+from specfit.core.calibration import CostConstants, fit_constants, load_constants, nnls
 from specfit.core.moe import MoESpec
 from specfit.core.tree import DraftTree
 from specfit.errors import ConfigError
@@ -164,6 +164,18 @@ def test_calibrate_command_prints_error_and_path(tmp_path, monkeypatch, capsys):
           "max_new_tokens=12", f"hydra.run.dir={tmp_path / 'run'}"])
     out = capsys.readouterr().out
     assert "held-out cycle-time error: median" in out and "stored: " in out
+
+
+def test_calibrate_command_stores_the_constants_in_the_file_named(tmp_path, monkeypatch, capsys):
+    """`specfit calibrate cost_model.calibration=FILE` writes FILE (it used to write $SPECFIT_HOME only)."""
+    from specfit.cli import main
+
+    monkeypatch.setenv("SPECFIT_HOME", str(tmp_path / "home"))
+    file = tmp_path / "mine" / "calibration.json"
+    main(["calibrate", "model=tiny", "max_new_tokens=12", f"cost_model.calibration={file}",
+          f"hydra.run.dir={tmp_path / 'run'}"])
+    assert f"stored: {file}" in capsys.readouterr().out
+    assert load_constants(file).c0 > 0 and not (tmp_path / "home").exists()
 
 
 def test_specfit_without_cost_model_or_predictor_is_a_clear_error_before_decoding():
