@@ -329,8 +329,20 @@ def _check_relations(cfg: DictConfig) -> None:
     given = [k for k in ("prompt", "prompt_ids", "prompt_file") if cfg.get(k) is not None]
     if len(given) > 1:
         raise ConfigError(f"give one of prompt, prompt_ids and prompt_file, not {' and '.join(given)}")
+    workloads = [str(w) for w in cfg.workloads if w != "inline"] or (
+        [str(cfg.workload.name)] if cfg.workload.kind != "inline" else [])
+    if given and workloads:  # the prompt would replace the workload's prompts without a word
+        raise ConfigError(f"give {given[0]} or a workload ({', '.join(workloads)}), not both: {given[0]} "
+                          f"replaces the workload's prompts")
     if cfg.workload.kind == "jsonl" and cfg.workload.path is None:
         raise ConfigError("workload.kind=jsonl needs workload.path=FILE")
+    # inline and jsonl workloads take every prompt they hold: a num_prompts given for them would do nothing
+    # (only a value other than the default can be told apart from no value at all)
+    if (cfg.workload.kind in ("inline", "jsonl") and not cfg.workloads
+            and cfg.workload.num_prompts != WorkloadConfig.num_prompts):
+        raise ConfigError(f"workload.num_prompts={cfg.workload.num_prompts} does not apply to workload.kind="
+                          f"{cfg.workload.kind} (it takes all its prompts); use workload.max_prompts="
+                          f"{cfg.workload.num_prompts}")
     for key, names in (("methods", list(cfg.methods)), ("baseline", [cfg.baseline])):
         for method in names:
             if method not in cfg.method_presets:

@@ -156,12 +156,17 @@ CASES: list[tuple[str, str, str]] = [
     (f"{S} workload.kind=nope", "workload.kind", EARLY),
     (f"{S} workload.num_prompts=0", "workload.num_prompts", EARLY),
     (f"{S} workload.max_prompts=0", "workload.max_prompts", EARLY),
+    (f"{S} workload.num_prompts=3", "use workload.max_prompts=3", EARLY),  # inline/jsonl take all their prompts
+    ("demo workload.num_prompts=1", "use workload.max_prompts=1", EARLY),
+    (f"{S} workload=prose", "give prompt_ids or a workload (prose), not both", EARLY),
+    ("bench model=tiny prompt_ids=[1] methods=[ar] workloads=[gsm]", "not both", EARLY),
     # bench, demo, record, replay, calibrate, trainers
     ("bench model=tiny prompt_ids=[1] methods=[nope]", "nope", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=[ar] repeats=0", "repeats", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=[ar] repeats=1.5", "repeats", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=[ar] warmup=-1", "warmup", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=[ar] baseline=nope", "baseline", EARLY),
+    ("bench model=tiny prompt_ids=[1] methods=[ar] baseline=eagle3", "baseline=eagle3 is not among methods", EARLY),
     ("bench model=tiny prompt_ids=[1] drafter.topk=3", "topk", EARLY),
     ("demo methods=[ar,nope]", "nope", EARLY),
     ("demo repeats=0", "repeats", EARLY),
@@ -171,6 +176,9 @@ CASES: list[tuple[str, str, str]] = [
     ("replay trace.path=/nope/trace", "trace.path", EARLY),
     ("replay trace.path=/nope/trace replay.draft_time=foo", "replay.draft_time", EARLY),
     ("replay trace.path=/nope/trace replay.warmup=-1", "replay.warmup", EARLY),
+    ("replay trace.path=/nope/trace sampling.temperature=0.5", "sampling.temperature: specfit replay", EARLY),
+    ("replay trace.path=/nope/trace max_new_tokens=2", "max_new_tokens: specfit replay", EARLY),
+    ("replay trace.path=/nope/trace workload=prose", "workload: specfit replay", EARLY),
     ("calibrate model=tiny cost_model=nope", "cost_model/nope", EARLY),
     ("calibrate model=tiny max_new_tokens=0", "max_new_tokens", EARLY),
     ("train-target nope=1", "nope", EARLY),
@@ -252,6 +260,13 @@ def test_bad_line_is_one_clear_error(line, needle, stage, files, tmp_path, capsy
     assert "Traceback" not in err and "Traceback" not in out
     assert seconds < LIMIT_S
     assert (len(loads) > 0) == (stage == LATE), f"expected to fail {stage}: {len(loads)} model(s) loaded"
+
+
+@pytest.mark.parametrize("line", [f"{S} cache.capacity=4.5", "bench model=tiny prompt_ids=[1] methods=ar"])
+def test_a_bad_value_of_an_existing_key_suggests_no_key(line, tmp_path, capsys):
+    """`did you mean X?` is for a misspelt key; a bad value of X itself must not suggest X."""
+    code, _, err, _ = run_cli(_argv(line, tmp_path, tmp_path), capsys)
+    assert code == 2 and "did you mean" not in err, err
 
 
 def test_prompt_file_from_bad_standard_input(monkeypatch, capsys, tmp_path):

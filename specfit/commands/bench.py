@@ -188,6 +188,10 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
     """
     if not cfg.methods:
         raise ConfigError("methods is empty: name the methods to compare, e.g. methods=[ar,eagle3,specfit]")
+    if cfg.baseline not in cfg.methods and any(o.split("=", 1)[0].lstrip("+") == "baseline" for o in overrides):
+        # a default baseline that did not run gives way to the first method; one the user named must run
+        raise ConfigError(f"baseline={cfg.baseline} is not among methods={list(cfg.methods)}: add it to methods "
+                          f"(without baseline=, speedups are over the first method, {cfg.methods[0]})")
     check_overrides(cfg, overrides)
     results = check_writable(output_dir / cfg.results_file, "results_file")
     answers_dir = None if cfg.answers_dir is None else check_writable(output_dir / cfg.answers_dir, "answers_dir",

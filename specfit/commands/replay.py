@@ -95,9 +95,23 @@ def replay_config(trace: Trace, cfg: DictConfig, name: str, model: Any, draft_ti
     return replay(trace, **parts(), draft_time=draft_time, model=model, method=name)
 
 
+# keys of a live decode that a replay has no use for: the trace fixed the prompts and the greedy output
+_NOT_REPLAYED = ("prompt", "prompt_ids", "prompt_file", "max_new_tokens", "stop_token_ids", "ignore_eos", "sampling",
+                 "workload", "workloads", "repeats", "warmup")
+_NOT_REPLAYED_HINTS = {"warmup": "; replay.warmup sets the replay's warm-up cycles",
+                       "sampling": "; traces are recorded greedily"}
+
+
 def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[str, Any]]:
     if not cfg.trace.path:
         raise ConfigError("set trace.path=DIR: a trace written by `specfit record`")
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        group = key.split(".", 1)[0]
+        if group in _NOT_REPLAYED:
+            hint = _NOT_REPLAYED_HINTS.get(group, f"; record a trace with it (specfit record {o})")
+            raise ConfigError(f"{key}: specfit replay replays the prompts and greedy output recorded in the trace, "
+                              f"so {key} does not apply{hint}")
     trace = load_trace(cfg.trace.path)
     check_writable(output_dir / cfg.results_file, "results_file")  # before the replays run
     draft_time = draft_time_mode(str(cfg.replay.draft_time))  # "recorded" is the earlier name of "measured"
