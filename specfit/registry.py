@@ -16,6 +16,7 @@ import importlib
 import importlib.metadata as metadata
 import inspect
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -310,12 +311,18 @@ def _entry_points() -> list[tuple[metadata.EntryPoint, str, str]]:
     allowed = os.environ.get("SPECFIT_PLUGINS")
     allow = {n.strip() for n in allowed.split(",") if n.strip()} if allowed is not None else None
     found = []
-    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+    installed = metadata.entry_points(group=ENTRY_POINT_GROUP)
+    for ep in installed:
         if allow is not None and ep.name not in allow:
             continue
         dist = ep.dist.name if ep.dist is not None else "unknown"
         version = ep.dist.version if ep.dist is not None else ""
         found.append((ep, dist, version))
+    unknown = sorted((allow or set()) - {ep.name for ep in installed})
+    if unknown:  # a misspelt name would otherwise load nothing without a word
+        names = ", ".join(sorted({ep.name for ep in installed})) or "none"
+        print(f"specfit: SPECFIT_PLUGINS names {', '.join(unknown)}, which no installed plug-in package "
+              f"provides (installed entry points: {names})", file=sys.stderr)
     return found
 
 

@@ -78,13 +78,16 @@ def test_a_package_registered_in_code_is_loaded_once(site):
     assert (entry.plugin, entry.distribution) == ("fifo_cache", "specfit-fifo-cache")
 
 
-def test_broken_plugin_is_named_and_can_be_skipped(site, monkeypatch):
+def test_broken_plugin_is_named_and_can_be_skipped(site, monkeypatch, capsys):
     install_fake_distribution(site, "broken-dist", {"broken": "broken_plugin"}, {"broken_plugin": "import nonexistent_module_xyz\n"})
     with pytest.raises(PluginError, match=r"plugin 'broken' \(broken-dist 1.2.3.*failed to load: ModuleNotFoundError"):
         get_plugins()
     reset_plugins()
     monkeypatch.setenv("SPECFIT_PLUGINS", "nothing_else")
     assert get_plugins()["cache"].get("lru")
+    err = capsys.readouterr().err  # a name no package provides is said, with the names there are
+    assert "SPECFIT_PLUGINS names nothing_else, which no installed plug-in package provides" in err
+    assert "broken" in err
     reset_plugins()
     monkeypatch.delenv("SPECFIT_PLUGINS")
     monkeypatch.setenv("SPECFIT_DISABLE_PLUGIN_AUTOLOAD", "1")
