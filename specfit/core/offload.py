@@ -505,6 +505,10 @@ def _pipelined_rounds(policy: ExpertCache, row: np.ndarray, layer: int, needed: 
     into a slot of the computing round is held back until that round is done (``fresh`` of the
     next), so the policy still decides every placement and no slot is overwritten while in use.
 
+    A later round that runs out of resident experts is filled up with misses (six hits and many
+    misses through 8 slots: rounds of 4 hits, 2 hits and 2 misses, then 4 misses, not a round of 2
+    hits alone that hides little of the copies after it).
+
     Half the slots, so that the next round's copies outlast the current round's compute: on the demo
     pair's EAGLE-3 passes (about 19 experts a layer through 8 slots) a round computes in about 1 ms
     on a CPU, 2.7 experts of link time (0.38 ms each); rounds of 3, 5 or 6 measured within noise
@@ -514,12 +518,16 @@ def _pipelined_rounds(policy: ExpertCache, row: np.ndarray, layer: int, needed: 
     """
     chunk = max(1, len(row) // 2)
 
-    def wanted(remaining: list[int]) -> list[int]:
+    def wanted(remaining: list[int], first: bool = False) -> list[int]:
         held = set(row.tolist())
-        return [e for e in remaining if e in held][:chunk] or remaining[:chunk]
+        hits = [e for e in remaining if e in held]
+        if first:  # a first round's copies cannot be hidden: it computes hits only, if it has any
+            return hits[:chunk] or remaining[:chunk]
+        # later rounds fill up with misses: admitted while the round before computes, they travel then
+        return (hits + [e for e in remaining if e not in held])[:chunk]
 
     remaining = needed
-    admission = _admit(policy, row, layer, wanted(remaining))
+    admission = _admit(policy, row, layer, wanted(remaining, first=True))
     fresh = admission.loads
     while True:
         remaining = [e for e in remaining if e not in admission.slots]

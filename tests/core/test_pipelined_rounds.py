@@ -82,10 +82,10 @@ def check_computed_slots(runtime: offload.OffloadRuntime, log: RoundLog) -> list
 
 
 def _bound(cache: LRUCache) -> np.ndarray:
-    """Bind ``cache`` (4 slots) to the tiny model's spec; its empty slot table."""
+    """Bind ``cache`` to the tiny model's spec; its empty slot table."""
     spec = Engine(tiny_model(), cache=LRUCache(capacity=4), device="cpu").spec
     cache.bind(spec)
-    return np.full((spec.num_layers, 4), -1, dtype=np.int64)
+    return np.full((spec.num_layers, cache.capacity), -1, dtype=np.int64)
 
 
 def test_rounds_take_half_the_slots_resident_first_and_issue_the_next_rounds_copies_ahead():
@@ -338,3 +338,13 @@ def test_no_slot_is_overwritten_while_a_round_computes_under_a_fuzzed_policy(mon
     assert engine.generate(PROMPT, max_new_tokens=12).token_ids == expected
     assert len(checked) == len(log.rounds) and log.ahead() > 0
     assert any(rnd.fresh and rnd.fresh != rnd.loads for _, _, rnd in log.rounds)  # copies held back happened
+
+
+def test_a_later_round_short_of_hits_is_filled_up_with_misses_that_travel_during_the_round_before():
+    cache = LRUCache(capacity=8)
+    slot_expert = _bound(cache)
+    list(offload.admission_rounds(cache, slot_expert, 0, [1, 2, 3, 4, 5, 6]))  # six resident
+    rounds = list(offload.admission_rounds(cache, slot_expert, 0, list(range(1, 13))))
+    assert [sorted(r.slots) for r in rounds] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    assert rounds[0].loads == [] and sorted(e for e, _ in rounds[0].ahead) == [7, 8]  # copied while 1-4 compute
+    assert rounds[1].fresh == []  # no copy had to wait for a slot of the first round
