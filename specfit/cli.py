@@ -213,6 +213,7 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
     if not (is_query or elsewhere or flags.multirun):
         # one clear line for a bad key or value, before Hydra starts and before any model is built
         check_config(compose(plain_overrides(args), config_name=config_name))
+        _check_run_dir(args)
 
     @hydra.main(version_base="1.3", config_path="pkg://specfit.conf", config_name=config_name)
     def app(cfg) -> None:
@@ -233,6 +234,17 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
             os.environ["HYDRA_FULL_ERROR"] = full_error
+
+
+def _check_run_dir(args: list[str]) -> None:
+    """An explicit ``hydra.run.dir`` that cannot be created is named, not reported as a bare path."""
+    given = [a.split("=", 1)[1] for a in args if "=" in a and a.split("=", 1)[0].lstrip("+") == "hydra.run.dir"]
+    if not given or "${" in given[-1]:  # an interpolation is Hydra's to resolve
+        return
+    try:
+        Path(given[-1]).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"hydra.run.dir={given[-1]}: cannot create the run folder: {exc.strerror or exc}") from exc
 
 
 def _arg_parser(prog: str, description: str):

@@ -378,3 +378,11 @@ def test_bench_refuses_a_prompt_past_the_context_before_decoding_any(tmp_path, c
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert err[-1].startswith("specfit: error:") and "context limit is 8" in err[-1], err
     assert not any((tmp_path / "run").rglob("results.jsonl"))
+
+
+def test_a_run_folder_that_cannot_be_created_names_hydra_run_dir(capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    run_dir = tmp_path / "file" / "run"
+    code, _, err, _ = run_cli(["generate", "model=tiny", "prompt_ids=[1]", f"hydra.run.dir={run_dir}"], capsys)
+    assert code == 2 and err.strip() == (f"specfit: error: hydra.run.dir={run_dir}: cannot create the run folder: "
+                                         "Not a directory")
