@@ -106,7 +106,9 @@ def verbose_requested(args: list[str]) -> bool:
 
 
 def _is_verbose(arg: str) -> bool:
-    return "=" in arg and arg.split("=", 1)[0].lstrip("+") == "verbose"
+    from specfit.config import override_key
+
+    return "=" in arg and override_key(arg) == "verbose"
 
 
 def _hydra_args(args: list[str]):
@@ -128,6 +130,8 @@ def plain_overrides(args: list[str]) -> list[str]:
     An override that does not parse is kept: compose() then reports it in one line."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    from specfit.config import override_key
+
     parser = OverridesParser.create()
     out, skip = [], False
     for a in args:
@@ -138,7 +142,7 @@ def plain_overrides(args: list[str]) -> list[str]:
             skip = a in ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
                          "--config-dir", "-cd", "--experimental-rerun")
             continue
-        key = a.split("=", 1)[0].lstrip("+~")
+        key = override_key(a)
         if key == "hydra" or key.startswith("hydra."):  # Hydra's own settings: Hydra checks them
             continue
         try:
@@ -238,7 +242,9 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
 
 def _check_run_dir(args: list[str]) -> None:
     """An explicit ``hydra.run.dir`` that cannot be created is named, not reported as a bare path."""
-    given = [a.split("=", 1)[1] for a in args if "=" in a and a.split("=", 1)[0].lstrip("+") == "hydra.run.dir"]
+    from specfit.config import override_key
+
+    given = [a.split("=", 1)[1] for a in args if "=" in a and override_key(a) == "hydra.run.dir"]
     if not given or "${" in given[-1]:  # an interpolation is Hydra's to resolve
         return
     try:

@@ -187,6 +187,11 @@ def store_configs() -> None:
         _STORED_FOR = plugins
 
 
+def override_key(override: str) -> str:
+    """The key a Hydra override sets, adds (``+key=``) or deletes (``~key``): ``a.b`` of ``+a.b=1``."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictConfig:
     """Compose a config from the packaged conf/ tree and ``overrides`` (Hydra syntax).
 
@@ -233,7 +238,7 @@ def _unselected_group(exc: BaseException, overrides: Sequence[str], config_name:
     except Exception:  # noqa: BLE001 - the choices themselves are wrong: Hydra's own message says so
         return None
     for override in overrides:
-        key = override.split("=", 1)[0].lstrip("+~")
+        key = override_key(override)
         group = key.split(".", 1)[0]
         if "." in key and group in PLUGIN_BASES and base.get(group) is None:
             return (f"{key}: no {group} plug-in is selected in this config, so it has no settings; "

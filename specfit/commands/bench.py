@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 
 from specfit.api import build
 from specfit.commands.generate import prompts_of
-from specfit.config import compose
+from specfit.config import compose, override_key
 from specfit.errors import ConfigError
 from specfit.files import check_writable, read_jsonl, write_atomic
 from specfit.progress import progress
@@ -129,7 +129,7 @@ def resume_command(output_dir: Path, replace: dict[str, str] | None = None) -> s
         hydra = [o for o in hc.overrides.hydra if not o.startswith(("hydra.run.dir=", "hydra.mode="))]
     args = []
     for o in task:
-        key = o.split("=", 1)[0].lstrip("+~")
+        key = override_key(o)
         if key == "resume":
             continue
         args.append(f"{key}={replace.pop(key)}" if key in replace else o)
@@ -188,7 +188,7 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
     """
     if not cfg.methods:
         raise ConfigError("methods is empty: name the methods to compare, e.g. methods=[ar,eagle3,specfit]")
-    if cfg.baseline not in cfg.methods and any(o.split("=", 1)[0].lstrip("+") == "baseline" for o in overrides):
+    if cfg.baseline not in cfg.methods and any(override_key(o) == "baseline" for o in overrides):
         # a default baseline that did not run gives way to the first method; one the user named must run
         raise ConfigError(f"baseline={cfg.baseline} is not among methods={list(cfg.methods)}: add it to methods "
                           f"(without baseline=, speedups are over the first method, {cfg.methods[0]})")

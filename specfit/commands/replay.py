@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from specfit.core.acceptance_estimators import attach_acceptance
+from specfit.config import override_key
 from specfit.core.cost_profiles import cost_profile
 from specfit.errors import ConfigError
 from specfit.registry import get_plugins
@@ -106,7 +107,7 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
     if not cfg.trace.path:
         raise ConfigError("set trace.path=DIR: a trace written by `specfit record`")
     for o in overrides:
-        key = o.split("=", 1)[0].lstrip("+~")
+        key = override_key(o)
         group = key.split(".", 1)[0]
         if group in _NOT_REPLAYED:
             hint = _NOT_REPLAYED_HINTS.get(group, f"; record a trace with it (specfit record {o})")
