@@ -218,6 +218,7 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
         # one clear line for a bad key or value, before Hydra starts and before any model is built
         check_config(compose(plain_overrides(args), config_name=config_name))
         _check_run_dir(args)
+        _check_prompt_or_workload(args)
 
     @hydra.main(version_base="1.3", config_path="pkg://specfit.conf", config_name=config_name)
     def app(cfg) -> None:
@@ -238,6 +239,18 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
             os.environ["HYDRA_FULL_ERROR"] = full_error
+
+
+def _check_prompt_or_workload(args: list[str]) -> None:
+    """A prompt replaces the workload's prompts (``specfit demo prompt=...`` runs the demo on it), so
+    a workload the user names beside a prompt would be ignored without a word: say so instead."""
+    from specfit.config import override_key
+
+    keys = [override_key(a) for a in args if "=" in a]
+    prompt = next((k for k in keys if k in ("prompt", "prompt_ids", "prompt_file")), None)
+    workload = next((k for k in keys if k in ("workload", "workloads") or k.startswith("workload.")), None)
+    if prompt and workload:
+        raise ConfigError(f"give {prompt} or {workload}, not both: {prompt} replaces the workload's prompts")
 
 
 def _check_run_dir(args: list[str]) -> None:

@@ -334,11 +334,6 @@ def _check_relations(cfg: DictConfig) -> None:
     given = [k for k in ("prompt", "prompt_ids", "prompt_file") if cfg.get(k) is not None]
     if len(given) > 1:
         raise ConfigError(f"give one of prompt, prompt_ids and prompt_file, not {' and '.join(given)}")
-    workloads = [str(w) for w in cfg.workloads if w != "inline"] or (
-        [str(cfg.workload.name)] if cfg.workload.kind != "inline" else [])
-    if given and workloads:  # the prompt would replace the workload's prompts without a word
-        raise ConfigError(f"give {given[0]} or a workload ({', '.join(workloads)}), not both: {given[0]} "
-                          f"replaces the workload's prompts")
     if cfg.workload.kind == "jsonl" and cfg.workload.path is None:
         raise ConfigError("workload.kind=jsonl needs workload.path=FILE")
     # inline and jsonl workloads take every prompt they hold: a num_prompts given for them would do nothing

@@ -158,7 +158,8 @@ CASES: list[tuple[str, str, str]] = [
     (f"{S} workload.max_prompts=0", "workload.max_prompts", EARLY),
     (f"{S} workload.num_prompts=3", "use workload.max_prompts=3", EARLY),  # inline/jsonl take all their prompts
     ("demo workload.num_prompts=1", "use workload.max_prompts=1", EARLY),
-    (f"{S} workload=prose", "give prompt_ids or a workload (prose), not both", EARLY),
+    (f"{S} workload=prose", "give prompt_ids or workload, not both", EARLY),
+    ("generate model=demo prompt=hi workload.seed=2", "give prompt or workload.seed, not both", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=[ar] workloads=[gsm]", "not both", EARLY),
     # bench, demo, record, replay, calibrate, trainers
     ("bench model=tiny prompt_ids=[1] methods=[nope]", "nope", EARLY),

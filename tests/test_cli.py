@@ -230,3 +230,11 @@ def test_a_head_trained_by_the_cli_beats_a_random_head(checkpoint, trained_head)
                  for head, outs in runs.items()}
     assert [o.token_ids for o in runs[trained_head]] == [o.token_ids for o in runs["random"]]
     assert per_cycle[trained_head] > per_cycle["random"] + 0.5, per_cycle
+
+
+def test_demo_runs_its_comparison_on_the_users_prompt(tmp_path, capsys):
+    """`specfit demo prompt=...`: the prompt replaces the demo's workload (naming a workload too is an error)."""
+    main(["demo", "prompt=Once upon a time", "methods=[ar]", "max_new_tokens=2", "repeats=1",
+          f"hydra.run.dir={tmp_path}"])
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in rows] == ["ar"] and rows[0]["num_output_tokens"] == 2
