@@ -246,9 +246,14 @@ def _check_prompt_or_workload(args: list[str]) -> None:
     a workload the user names beside a prompt would be ignored without a word: say so instead."""
     from specfit.config import override_key
 
+    def names_a_workload(arg: str) -> bool:  # the inline workload is the prompt itself
+        key, value = override_key(arg), arg.split("=", 1)[1]
+        return (key in ("workload", "workloads") or key.startswith("workload.")) and \
+            any(v.strip() != "inline" for v in value.strip("[]").split(","))
+
     keys = [override_key(a) for a in args if "=" in a]
     prompt = next((k for k in keys if k in ("prompt", "prompt_ids", "prompt_file")), None)
-    workload = next((k for k in keys if k in ("workload", "workloads") or k.startswith("workload.")), None)
+    workload = next((override_key(a) for a in args if "=" in a and names_a_workload(a)), None)
     if prompt and workload:
         raise ConfigError(f"give {prompt} or {workload}, not both: {prompt} replaces the workload's prompts")
 

@@ -159,6 +159,7 @@ CASES: list[tuple[str, str, str]] = [
     (f"{S} workload.num_prompts=3", "use workload.max_prompts=3", EARLY),  # inline/jsonl take all their prompts
     ("demo workload.num_prompts=1", "use workload.max_prompts=1", EARLY),
     (f"{S} workload=prose", "give prompt_ids or workload, not both", EARLY),
+    (f"{S} workloads=[inline,gsm]", "give prompt_ids or workloads, not both", EARLY),
     ("generate model=demo prompt=hi workload.seed=2", "give prompt or workload.seed, not both", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=[ar] workloads=[gsm]", "not both", EARLY),
     # bench, demo, record, replay, calibrate, trainers
