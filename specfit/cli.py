@@ -15,7 +15,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import Any, Callable, NoReturn
 
 from specfit.errors import ConfigError, SpecfitError
 
@@ -217,14 +217,16 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
     if not (is_query or elsewhere or flags.multirun):
         # one clear line for a bad key or value, before Hydra starts and before any model is built
         check_config(compose(plain_overrides(args), config_name=config_name))
-        _check_run_dir(args)
-        _check_prompt_or_workload(args)
+        values = _override_values(args)
+        _check_prompt_or_workload(values)
+        _check_run_dir(values)
 
     @hydra.main(version_base="1.3", config_path="pkg://specfit.conf", config_name=config_name)
     def app(cfg) -> None:
         hc = HydraConfig.get()
         try:
             check_config(cfg)  # again: a multirun job's config was not checked up front
+            _check_prompt_or_workload(_override_values(list(hc.overrides.task)))
             job(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task))
         except BaseException as exc:  # noqa: BLE001 - a multirun job's error would be swallowed by Hydra
             exit_for(exc, verbose)
@@ -241,34 +243,49 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
             os.environ["HYDRA_FULL_ERROR"] = full_error
 
 
-def _check_prompt_or_workload(args: list[str]) -> None:
+def _override_values(args: list[str]) -> dict[str, Any]:
+    """Each plain override's key and value as Hydra parses them (quotes stripped, lists as lists;
+    None for ``key=null`` and ``~key``). Flags, sweeps and overrides that do not parse are left out:
+    compose() or Hydra report the latter."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser, values = OverridesParser.create(), {}
+    for arg in args:
+        if arg.startswith("-"):
+            continue
+        try:
+            override = parser.parse_overrides([arg])[0]
+        except Exception:  # noqa: BLE001 - not ours to report
+            continue
+        if not override.is_sweep_override():
+            values[override.key_or_group] = None if override.is_delete() else override.value()
+    return values
+
+
+def _check_prompt_or_workload(values: dict[str, Any]) -> None:
     """A prompt replaces the workload's prompts (``specfit demo prompt=...`` runs the demo on it), so
     a workload the user names beside a prompt would be ignored without a word: say so instead."""
-    from specfit.config import override_key
+    def names_a_workload(key: str, value: Any) -> bool:  # the inline workload is the prompt itself
+        if not (key in ("workload", "workloads") or key.startswith("workload.")):
+            return False
+        return any(v != "inline" for v in value) if isinstance(value, list) else value not in (None, "inline")
 
-    def names_a_workload(arg: str) -> bool:  # the inline workload is the prompt itself
-        key, value = override_key(arg), arg.split("=", 1)[1]
-        return (key in ("workload", "workloads") or key.startswith("workload.")) and \
-            any(v.strip() != "inline" for v in value.strip("[]").split(","))
-
-    keys = [override_key(a) for a in args if "=" in a]
-    prompt = next((k for k in keys if k in ("prompt", "prompt_ids", "prompt_file")), None)
-    workload = next((override_key(a) for a in args if "=" in a and names_a_workload(a)), None)
+    prompt = next((k for k in ("prompt", "prompt_ids", "prompt_file") if values.get(k) is not None), None)
+    workload = next((k for k, v in values.items() if names_a_workload(k, v)), None)
     if prompt and workload:
         raise ConfigError(f"give {prompt} or {workload}, not both: {prompt} replaces the workload's prompts")
 
 
-def _check_run_dir(args: list[str]) -> None:
-    """An explicit ``hydra.run.dir`` that cannot be created is named, not reported as a bare path."""
-    from specfit.config import override_key
-
-    given = [a.split("=", 1)[1] for a in args if "=" in a and override_key(a) == "hydra.run.dir"]
-    if not given or "${" in given[-1]:  # an interpolation is Hydra's to resolve
+def _check_run_dir(values: dict[str, Any]) -> None:
+    """An explicit ``hydra.run.dir`` that cannot be created is named, not reported as a bare path.
+    Called last among the checks: it creates the folder, as Hydra would next."""
+    run_dir = values.get("hydra.run.dir")
+    if not isinstance(run_dir, str) or "${" in run_dir:  # an interpolation is Hydra's to resolve
         return
     try:
-        Path(given[-1]).mkdir(parents=True, exist_ok=True)
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"hydra.run.dir={given[-1]}: cannot create the run folder: {exc.strerror or exc}") from exc
+        raise ConfigError(f"hydra.run.dir={run_dir}: cannot create the run folder: {exc.strerror or exc}") from exc
 
 
 def _arg_parser(prog: str, description: str):

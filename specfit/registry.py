@@ -318,7 +318,7 @@ def _entry_points() -> list[tuple[metadata.EntryPoint, str, str]]:
         dist = ep.dist.name if ep.dist is not None else "unknown"
         version = ep.dist.version if ep.dist is not None else ""
         found.append((ep, dist, version))
-    unknown = sorted((allow or set()) - {ep.name for ep in installed})
+    unknown = sorted((allow or set()) - {ep.name for ep in installed} - {name for _, name in _IN_CODE})
     if unknown:  # a misspelt name would otherwise load nothing without a word
         names = ", ".join(sorted({ep.name for ep in installed})) or "none"
         print(f"specfit: SPECFIT_PLUGINS names {', '.join(unknown)}, which no installed plug-in package "

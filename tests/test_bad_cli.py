@@ -160,6 +160,7 @@ CASES: list[tuple[str, str, str]] = [
     ("demo workload.num_prompts=1", "use workload.max_prompts=1", EARLY),
     (f"{S} workload=prose", "give prompt_ids or workload, not both", EARLY),
     (f"{S} workloads=[inline,gsm]", "give prompt_ids or workloads, not both", EARLY),
+    ("generate -m model=tiny prompt_ids=[1] max_new_tokens=2 workload=prose", "not both", EARLY),  # each sweep job
     ("generate model=demo prompt=hi workload.seed=2", "give prompt or workload.seed, not both", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=[ar] workloads=[gsm]", "not both", EARLY),
     # bench, demo, record, replay, calibrate, trainers
@@ -388,3 +389,21 @@ def test_a_run_folder_that_cannot_be_created_names_hydra_run_dir(capsys, tmp_pat
     code, _, err, _ = run_cli(["generate", "model=tiny", "prompt_ids=[1]", f"hydra.run.dir={run_dir}"], capsys)
     assert code == 2 and err.strip() == (f"specfit: error: hydra.run.dir={run_dir}: cannot create the run folder: "
                                          "Not a directory")
+
+
+@pytest.mark.parametrize("overrides", [["prompt=hi", "workload='inline'"], ["prompt=hi", "workloads=[]"],
+                                       ["prompt=null", "workload=prose"], ["prompt_ids=[1]", "workloads=[inline, inline]"]])
+def test_a_prompt_beside_no_real_workload_is_accepted(overrides):
+    """Hydra's parse decides (quotes, empty lists, null), not the raw text of the override."""
+    from specfit.cli import _check_prompt_or_workload, _override_values
+
+    _check_prompt_or_workload(_override_values(overrides))
+
+
+def test_a_quoted_run_folder_is_created_where_hydra_puts_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "q b"
+    code, _, _, _ = run_cli(["generate", "model=tiny", "prompt_ids=[1]", "max_new_tokens=1",
+                             f"hydra.run.dir='{run_dir}'"], capsys)
+    assert code == 0 and (run_dir / "results.jsonl").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["q b"]  # no folder named after the quoted text
