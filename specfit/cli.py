@@ -15,7 +15,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 from specfit.errors import ConfigError, SpecfitError
 
@@ -124,16 +124,12 @@ def _hydra_args(args: list[str]):
     return parser.parse_args(args)
 
 
-def plain_overrides(args: list[str]) -> list[str]:
-    """The overrides of ``args`` that compose() can check up front (no flags, sweeps or hydra.* keys).
-
-    An override that does not parse is kept: compose() then reports it in one line."""
+def _parsed_overrides(args: list[str]) -> Iterator[tuple[str, Any]]:
+    """Each override of ``args`` (flags and their values skipped) with Hydra's parse of it, or None
+    where it does not parse."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from specfit.config import override_key
-
-    parser = OverridesParser.create()
-    out, skip = [], False
+    parser, skip = OverridesParser.create(), False
     for a in args:
         if skip:
             skip = False
@@ -142,15 +138,25 @@ def plain_overrides(args: list[str]) -> list[str]:
             skip = a in ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
                          "--config-dir", "-cd", "--experimental-rerun")
             continue
+        try:
+            yield a, parser.parse_overrides([a])[0]
+        except Exception:  # noqa: BLE001 - compose() or Hydra names the problem
+            yield a, None
+
+
+def plain_overrides(args: list[str]) -> list[str]:
+    """The overrides of ``args`` that compose() can check up front (no flags, sweeps or hydra.* keys).
+
+    An override that does not parse is kept: compose() then reports it in one line."""
+    from specfit.config import override_key
+
+    out = []
+    for a, parsed in _parsed_overrides(args):
         key = override_key(a)
         if key == "hydra" or key.startswith("hydra."):  # Hydra's own settings: Hydra checks them
             continue
-        try:
-            if parser.parse_overrides([a])[0].is_sweep_override():
-                continue
-        except Exception:  # noqa: BLE001 - compose() names the problem
-            pass
-        out.append(a)
+        if parsed is None or not parsed.is_sweep_override():
+            out.append(a)
     return out
 
 
@@ -245,21 +251,10 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
 
 def _override_values(args: list[str]) -> dict[str, Any]:
     """Each plain override's key and value as Hydra parses them (quotes stripped, lists as lists;
-    None for ``key=null`` and ``~key``). Flags, sweeps and overrides that do not parse are left out:
+    None for ``key=null`` and ``~key``). Sweeps and overrides that do not parse are left out:
     compose() or Hydra report the latter."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parser, values = OverridesParser.create(), {}
-    for arg in args:
-        if arg.startswith("-"):
-            continue
-        try:
-            override = parser.parse_overrides([arg])[0]
-        except Exception:  # noqa: BLE001 - not ours to report
-            continue
-        if not override.is_sweep_override():
-            values[override.key_or_group] = None if override.is_delete() else override.value()
-    return values
+    return {o.key_or_group: None if o.is_delete() else o.value()
+            for _, o in _parsed_overrides(args) if o is not None and not o.is_sweep_override()}
 
 
 def _check_prompt_or_workload(values: dict[str, Any]) -> None:
