@@ -16,8 +16,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from specfit.core.acceptance_estimators import attach_acceptance
 from specfit.config import override_key
+from specfit.core.acceptance_estimators import attach_acceptance
 from specfit.core.cost_profiles import cost_profile
 from specfit.errors import ConfigError
 from specfit.registry import get_plugins
