@@ -291,6 +291,28 @@ def test_draft_gate_spaces_losing_probes_by_what_they_cost():
     assert _losing_gate(0.01, committed=1, seconds=1.0)[-1] == 256  # ... up to gate_max_backoff
 
 
+def test_draft_gate_lucky_probe_does_not_restart_the_backoff():
+    """A probe that wins by luck halves the back-off instead of resetting it: when drafting then
+    loses again, the gate skips about as long as before the win, not 1, 2, 4, ... cycles anew;
+    drafting that keeps winning is back at back-off 1 after log2(max_backoff) wins."""
+    from specfit.core.selection import DraftGate
+
+    gate = DraftGate(max_backoff=64, probe_budget=1e-3)  # a small budget: the back-off decides
+    gate.plain(0.010)
+    for _ in range(6):  # losing probes: 1 token in 50 ms against 100 plain passes a second
+        gate.speculated(committed=1, seconds=0.050)
+        gate.skip_left = 0
+    assert gate.backoff == 64
+    gate.speculated(committed=16, seconds=0.050)  # a lucky probe: the decayed means say drafting wins
+    assert gate.should_draft() and gate.backoff == 32
+    gate.speculated(committed=1, seconds=0.050)  # the next drafted cycle loses again
+    assert gate.skip_left == 32
+    for wins in range(6):  # drafting that wins every cycle: 32, 16, ..., 1
+        gate.speculated(committed=40, seconds=0.050)
+        assert gate.skip_left == 0
+    assert gate.backoff == 1
+
+
 def test_draft_gate_state_saved_before_it_counted_cycles_still_loads():
     from specfit.core.selection import DraftGate
 
