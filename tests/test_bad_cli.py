@@ -163,6 +163,9 @@ CASES: list[tuple[str, str, str]] = [
     ("generate -m model=tiny prompt_ids=[1] max_new_tokens=2 workload=prose", "not both", EARLY),  # each sweep job
     ("generate model=demo prompt=hi workload.seed=2", "give prompt or workload.seed, not both", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=[ar] workloads=[gsm]", "not both", EARLY),
+    # every workload of the list takes all its prompts: num_prompts would do nothing
+    ("bench model=tiny methods=[ar] workloads=[inline] workload.prompt_ids=[[1,2]] workload.num_prompts=3",
+     "use workload.max_prompts=3", EARLY),
     # bench, demo, record, replay, calibrate, trainers
     ("bench model=tiny prompt_ids=[1] methods=[nope]", "nope", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=[ar] repeats=0", "repeats", EARLY),

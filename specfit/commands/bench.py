@@ -179,6 +179,18 @@ def _write_answers(folder: Path, answers: dict[str, list[dict[str, Any]]], rows:
         write_atomic(folder / f"{method}.jsonl", "".join(json.dumps(a) + "\n" for a in answers[method]))
 
 
+def _check_num_prompts_applies(cfg: DictConfig, overrides: list[str]) -> None:
+    """``workload.num_prompts`` given for a bench whose workloads all take every prompt they hold
+    (inline, jsonl) would do nothing: say so (the config check sees one workload, not the list)."""
+    if not cfg.workloads or not any(override_key(o) == "workload.num_prompts" for o in overrides):
+        return
+    kinds = {method_config(cfg, cfg.methods[0], w, overrides).workload.kind for w in cfg.workloads}
+    if kinds <= {"inline", "jsonl"}:
+        raise ConfigError(f"workload.num_prompts={cfg.workload.num_prompts} does not apply to workloads="
+                          f"{list(cfg.workloads)} (each takes all its prompts); use workload.max_prompts="
+                          f"{cfg.workload.num_prompts}")
+
+
 def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[str, Any]]:
     """Run every method on every prompt; each row is on disk as soon as its run completes.
 
@@ -193,6 +205,7 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
         raise ConfigError(f"baseline={cfg.baseline} is not among methods={list(cfg.methods)}: add it to methods "
                           f"(without baseline=, speedups are over the first method, {cfg.methods[0]})")
     check_overrides(cfg, overrides)
+    _check_num_prompts_applies(cfg, overrides)
     results = check_writable(output_dir / cfg.results_file, "results_file")
     answers_dir = None if cfg.answers_dir is None else check_writable(output_dir / cfg.answers_dir, "answers_dir",
                                                                        directory=True)
