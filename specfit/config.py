@@ -330,19 +330,26 @@ def _check_values(cfg: DictConfig) -> None:
             OmegaConf.to_object(node)  # the plugin config's own __post_init__ checks
 
 
+TAKES_ALL_PROMPTS = ("inline", "jsonl")  # workload kinds that take every prompt they hold: no num_prompts
+
+
+def num_prompts_unused(num_prompts: int, applies_to: str) -> ConfigError:
+    """The error for a workload.num_prompts that would do nothing for ``applies_to``."""
+    return ConfigError(f"workload.num_prompts={num_prompts} does not apply to {applies_to}; "
+                       f"use workload.max_prompts={num_prompts}")
+
+
 def _check_relations(cfg: DictConfig) -> None:
     given = [k for k in ("prompt", "prompt_ids", "prompt_file") if cfg.get(k) is not None]
     if len(given) > 1:
         raise ConfigError(f"give one of prompt, prompt_ids and prompt_file, not {' and '.join(given)}")
     if cfg.workload.kind == "jsonl" and cfg.workload.path is None:
         raise ConfigError("workload.kind=jsonl needs workload.path=FILE")
-    # inline and jsonl workloads take every prompt they hold: a num_prompts given for them would do nothing
-    # (only a value other than the default can be told apart from no value at all)
-    if (cfg.workload.kind in ("inline", "jsonl") and not cfg.workloads
+    # a num_prompts given for a workload that takes every prompt it holds would do nothing (only a value
+    # other than the default can be told apart from no value at all; a bench's list: specfit.commands.bench)
+    if (cfg.workload.kind in TAKES_ALL_PROMPTS and not cfg.workloads
             and cfg.workload.num_prompts != WorkloadConfig.num_prompts):
-        raise ConfigError(f"workload.num_prompts={cfg.workload.num_prompts} does not apply to workload.kind="
-                          f"{cfg.workload.kind} (it takes all its prompts); use workload.max_prompts="
-                          f"{cfg.workload.num_prompts}")
+        raise num_prompts_unused(cfg.workload.num_prompts, f"workload.kind={cfg.workload.kind} (it takes all its prompts)")
     for key, names in (("methods", list(cfg.methods)), ("baseline", [cfg.baseline])):
         for method in names:
             if method not in cfg.method_presets:

@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 
 from specfit.api import build
 from specfit.commands.generate import prompts_of
-from specfit.config import compose, override_key
+from specfit.config import TAKES_ALL_PROMPTS, compose, num_prompts_unused, override_key
 from specfit.errors import ConfigError
 from specfit.files import check_writable, read_jsonl, write_atomic
 from specfit.progress import progress
@@ -185,10 +185,8 @@ def _check_num_prompts_applies(cfg: DictConfig, overrides: list[str]) -> None:
     if not cfg.workloads or not any(override_key(o) == "workload.num_prompts" for o in overrides):
         return
     kinds = {method_config(cfg, cfg.methods[0], w, overrides).workload.kind for w in cfg.workloads}
-    if kinds <= {"inline", "jsonl"}:
-        raise ConfigError(f"workload.num_prompts={cfg.workload.num_prompts} does not apply to workloads="
-                          f"{list(cfg.workloads)} (each takes all its prompts); use workload.max_prompts="
-                          f"{cfg.workload.num_prompts}")
+    if kinds <= set(TAKES_ALL_PROMPTS):
+        raise num_prompts_unused(cfg.workload.num_prompts, f"workloads={list(cfg.workloads)} (each takes all its prompts)")
 
 
 def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[str, Any]]:
