@@ -27,6 +27,7 @@ from specfit.core.expert_store import HostExpertStore
 from specfit.core.numerics import apply_numerics, check_numerics, numerics_info
 from specfit.core.offload import OffloadRuntime
 from specfit.core.sampling import Sampler, SamplingParams
+from specfit.core.setup_state import decode_ended
 from specfit.core.stats import CycleRecord, RunStats
 from specfit.core.target import PassOutput, Target
 from specfit.core.tree import DraftTree, VerifyBlock
@@ -209,6 +210,7 @@ class Engine:
                 stats.cycles.append(record)
             stats.total_seconds = _now(self.device) - start
             stats.cache = self.runtime.stats.since(decode_start)
+        decode_ended(selector)  # what the selector learned is saved between decodes, not between tokens
         stats.output_tokens = len(out)
         stats.finish_reason = "stop" if out[-1] in self.stop_token_ids else "length"
         text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else None

@@ -15,9 +15,10 @@ each other::
 The gate is keyed by selector, estimator and ``draft_time``. Only selectors with ``draft_time=measured``
 (the default) keep state: with ``modelled`` every decision depends on the run's inputs alone, and
 a fresh engine must decide as any other would, so it starts from nothing. Saving
-merges into the file and writes it atomically (:func:`specfit.files.write_atomic`), at most every
-``interval`` seconds of decoding and once more when the selector is dropped or the process ends;
-when the file is written never changes a decision. Trace replay never reads or writes it: a
+merges into the file and writes it atomically (:func:`specfit.files.write_atomic`) when a decode
+ends, at most every ``interval`` seconds, and once more when the selector is dropped or the process
+ends; never between two cycles of a decode, where its file system calls (two fsyncs: milliseconds,
+more on a loaded disk) would stall the next token. When the file is written never changes a decision. Trace replay never reads or writes it: a
 replay starts from scratch, so it stays exact and repeatable.
 """
 
@@ -32,7 +33,7 @@ from typing import Any
 
 from specfit.core.calibration import calibration_path
 
-SAVE_INTERVAL = 2.0  # seconds between saves while decoding
+SAVE_INTERVAL = 2.0  # the least seconds between two saves (each at the end of a decode)
 
 
 def state_path(engine: Any) -> Path:
@@ -79,9 +80,12 @@ class StateKeeper:
         return found
 
     def tick(self) -> None:
-        """A cycle finished: save when ``interval`` seconds passed since the last save."""
+        """A cycle finished: there is something to save (at the end of the decode)."""
         self.dirty = True
-        if time.monotonic() - self._last_save >= self.interval:
+
+    def decode_ended(self) -> None:
+        """A decode ended: save when ``interval`` seconds passed since the last save."""
+        if self.dirty and time.monotonic() - self._last_save >= self.interval:
             self.save()
 
     def save(self) -> None:
@@ -103,6 +107,13 @@ class StateKeeper:
             print(f"specfit: could not save the selector's state to {self.path}: {exc.strerror or exc}", file=sys.stderr)
         except (TypeError, ValueError) as exc:  # a plug-in estimator's state() that is not JSON
             print(f"specfit: acceptance '{self.estimator.name}' state() is not JSON ({exc}); not saved", file=sys.stderr)
+
+
+def decode_ended(selector: Any) -> None:
+    """The engine's call after each decode, outside its timed span: the selector's keeper may save."""
+    keeper = getattr(selector, "keeper", None)
+    if keeper is not None:
+        keeper.decode_ended()
 
 
 def attach_setup_state(engine: Any) -> StateKeeper | None:

@@ -284,7 +284,7 @@ def test_a_new_engine_of_the_setup_starts_from_the_gate_and_estimator_it_left():
     first.generate(PROMPT, max_new_tokens=20)
     gate = first.selector.gate
     gate.skip_left, gate.backoff = 4, 8  # as if drafting had lost: the next cycles skip it
-    keeper.save()  # saved every SAVE_INTERVAL seconds while decoding, and when the selector goes
+    keeper.save()  # saved after a decode (at most every SAVE_INTERVAL seconds), and when the selector goes
     stored = json.loads(state_path(first).read_text())
     assert stored["gate"]["specfit/learned/measured"]["skip_left"] == 4 and "learned" in stored["acceptance"]
 
@@ -337,6 +337,27 @@ def test_a_broken_estimator_is_named():
         selector.accept_estimates(tree)
     with pytest.raises(PluginError, match="acceptance object lacks name, bind, estimate"):
         selector.set_acceptance(object())
+
+
+def test_the_state_is_saved_between_decodes_never_between_cycles():
+    """A save's file system calls (fsync) must not stall a decode's next token."""
+    ref = reference()
+    engine = engine_with("learned", ref)
+    keeper = attach_setup_state(engine)
+    keeper.interval = 0.0  # every chance to save is taken
+    path = state_path(engine)
+    path.unlink(missing_ok=True)
+    seen = []
+    observe_time = engine.selector.observe_time
+
+    def spy(*args):
+        observe_time(*args)
+        seen.append(path.exists())
+
+    engine.selector.observe_time = spy
+    engine.generate(PROMPT, max_new_tokens=12)
+    assert len(seen) > 1 and not any(seen)  # cycles ran, none of them wrote the file
+    assert path.exists() and not keeper.dirty  # the decode's end did
 
 
 def test_a_state_that_is_not_json_is_one_line_not_an_error(tmp_path, capsys):
