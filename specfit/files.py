@@ -8,10 +8,11 @@ JSON-lines results are appended instead (:func:`append_jsonl_lines`), one ``writ
 whole lines and an ``fsync`` after it, so each row is on disk as soon as its run completes and
 concurrent jobs of a sweep may share one file. A kill during that write can leave at most the last
 line cut short; :func:`read_jsonl` ignores such a torn last line and the next append cuts it off
-(only a line without its newline is torn: every complete row is kept).
+(only a line without its newline that starts like a row is torn: every complete row is kept, and
+a file that is not JSON lines is refused, never cut).
 
-:func:`check_writable` is called before any decoding starts, so a mistyped destination costs
-nothing.
+:func:`check_writable` (and :func:`check_results_file` for results) is called before any decoding
+starts, so a mistyped destination costs nothing.
 """
 
 from __future__ import annotations
@@ -54,6 +55,17 @@ def check_writable(path: str | Path, key: str, directory: bool = False, label: s
                 pass
     except OSError as exc:
         raise ConfigError(f"{where}: cannot write there ({exc.strerror or exc})") from exc
+    return path
+
+
+def check_results_file(path: str | Path, key: str = "results_file") -> Path:
+    """:func:`check_writable`, and an existing file must be JSON lines that specfit may append to.
+
+    Appending cuts off a torn last line, so a file that is not JSON lines (a mistyped
+    ``results_file=`` naming someone's notes) is refused before anything runs, never truncated."""
+    path = check_writable(path, key)
+    if path.is_file() and path.stat().st_size:
+        read_jsonl(path, key)
     return path
 
 
@@ -122,11 +134,19 @@ def _cut_torn_tail(fd: int, path: Path) -> None:
     start = max(0, size - (1 << 20))
     tail = os.pread(fd, size - start, start)
     keep = start + tail.rfind(b"\n") + 1 if b"\n" in tail else start
-    if _parses(tail[keep - start:]):  # a complete row whose newline is missing (written by hand): keep it
+    last = tail[keep - start:]
+    if _parses(last):  # a complete row whose newline is missing (written by hand): keep it
         os.write(fd, b"\n")
         return
+    if not _torn_row(last):
+        raise ConfigError(f"{path}: its last line is not JSON; not a specfit results file, so nothing was appended")
     os.ftruncate(fd, keep)
     print(f"specfit: {path}: dropped an incomplete last line (a write was interrupted)", file=sys.stderr)
+
+
+def _torn_row(line: bytes) -> bool:
+    """Whether ``line`` can be the start of a row cut short (every row is a JSON object)."""
+    return line.lstrip().startswith(b"{")
 
 
 def _parses(line: bytes) -> bool:
@@ -154,8 +174,11 @@ def read_jsonl(path: str | Path, key: str = "results_file") -> list[dict[str, An
     for n, line in enumerate(lines, 1):
         if line.strip():
             rows.append(_row(line, path, n, key))
-    if torn.strip() and _parses(torn.encode("utf-8")):
-        rows.append(json.loads(torn))
+    if torn.strip():
+        if _parses(torn.encode("utf-8")):
+            rows.append(json.loads(torn))
+        elif not _torn_row(torn.encode("utf-8")):
+            raise ConfigError(f"{key}={path}: line {len(lines) + 1} is not JSON; not a specfit results file")
     return rows
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specfit.errors import ConfigError, ModelError
-from specfit.files import append_jsonl_lines, check_writable, read_jsonl, write_atomic
+from specfit.files import append_jsonl_lines, check_results_file, check_writable, read_jsonl, write_atomic
 
 
 class _Payload:
@@ -123,6 +123,17 @@ def test_a_corrupt_line_inside_a_results_file_names_file_and_line(tmp_path):
     path.write_text('{"a": 1}\nnot json\n{"a": 2}\n')
     with pytest.raises(ConfigError, match=r"results.jsonl: line 2 is not JSON"):
         read_jsonl(path)
+
+
+@pytest.mark.parametrize("text", ["my notes\nline two", "one line, no newline"])
+def test_a_file_that_is_not_json_lines_is_refused_never_cut(tmp_path, text):
+    path = tmp_path / "notes.txt"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"notes.txt: line \d is not JSON"):
+        check_results_file(path)
+    with pytest.raises(ConfigError, match="not a specfit results file"):
+        append_jsonl_lines(path, [{"a": 1}])
+    assert path.read_text() == text
 
 
 # --------------------------------------------------------------------------- destinations

@@ -30,7 +30,7 @@ from specfit.api import build
 from specfit.commands.generate import prompts_of
 from specfit.config import TAKES_ALL_PROMPTS, compose, num_prompts_unused, override_key
 from specfit.errors import ConfigError
-from specfit.files import check_writable, read_jsonl, write_atomic
+from specfit.files import check_results_file, check_writable, read_jsonl, write_atomic
 from specfit.progress import progress
 from specfit.registry import get_plugins
 from specfit.results import append_jsonl, comparison_table, mean_stats, paired_fields, run_config, spec_bench_answers
@@ -204,7 +204,7 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
                           f"(without baseline=, speedups are over the first method, {cfg.methods[0]})")
     check_overrides(cfg, overrides)
     _check_num_prompts_applies(cfg, overrides)
-    results = check_writable(output_dir / cfg.results_file, "results_file")
+    results = check_results_file(output_dir / cfg.results_file)
     answers_dir = None if cfg.answers_dir is None else check_writable(output_dir / cfg.answers_dir, "answers_dir",
                                                                        directory=True)
     answers: dict[str, list[dict[str, Any]]] = {}  # Spec-Bench answer lines per method, all workloads

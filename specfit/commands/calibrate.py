@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 from specfit.api import build, calibrate
 from specfit.commands.generate import prompts_of
 from specfit.errors import ConfigError
-from specfit.files import check_writable
+from specfit.files import check_results_file, check_writable
 from specfit.results import append_jsonl
 
 
@@ -20,7 +20,7 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
         prompts = prompts_of(cfg)
     except ConfigError:
         prompts = None  # seeded random prompts
-    results = check_writable(output_dir / cfg.results_file, "results_file")  # before measuring
+    results = check_results_file(output_dir / cfg.results_file)  # before measuring
     # cost_model.calibration=FILE: the constants go there (auto: this setup's file under $SPECFIT_HOME)
     source = cfg.cost_model.get("calibration", "auto")
     path = None if source in ("auto", None) else check_writable(source, "cost_model.calibration")

@@ -45,13 +45,14 @@ class FitAcceptanceConfig:
 
 def fit_acceptance(cfg: FitAcceptanceConfig) -> Path:
     """Fit, score, write; returns the model file."""
-    from specfit.files import append_jsonl_lines, check_writable, write_atomic
+    from specfit.files import append_jsonl_lines, check_results_file, check_writable, write_atomic
     from specfit.plugins.acceptance.calibrated import CalibratedAcceptance
     from specfit.plugins.acceptance.learned import LearnedAcceptance
     from specfit.plugins.acceptance.path_prob import PathProbAcceptance
     from specfit.trace.format import load_trace
 
     out = check_writable(cfg.out_dir, "out_dir", directory=True)
+    check_results_file(out / "results.jsonl", "out_dir")
     trace = load_trace(cfg.trace.path)
     trees = list(trace_trees(trace))
     held_traces = [load_trace(path) for path in cfg.held_out]

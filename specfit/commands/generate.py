@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 from specfit.api import build
 from specfit.errors import ConfigError
-from specfit.files import check_writable
+from specfit.files import check_results_file
 from specfit.results import append_jsonl, run_config, stats_line
 
 
@@ -62,7 +62,7 @@ def read_prompt_file(path: str) -> str:
 
 def run(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
     """Decode each prompt; its row goes to the results file as soon as it is done (checked writable first)."""
-    path = check_writable(output_dir / cfg.results_file, "results_file")
+    path = check_results_file(output_dir / cfg.results_file)
     prompts = prompts_of(cfg)
     engine = build(cfg, check_prompts=prompts)
     rows = []

@@ -13,7 +13,7 @@ from specfit.api import build
 from specfit.commands.generate import prompts_of
 from specfit.commands.bench import resume_command
 from specfit.errors import ConfigError
-from specfit.files import check_writable
+from specfit.files import check_results_file
 from specfit.results import append_jsonl
 from specfit.trace.format import META_FILE, TraceWriter, check_destination, load_trace, spec_to_json
 from specfit.trace.record import record
@@ -32,7 +32,7 @@ def run(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
         raise ConfigError("specfit record needs greedy decoding (sampling.temperature=0): under sampling the "
                           "output depends on the selector, so no trace replays exactly")
     path = check_destination(cfg.trace.path or output_dir / "trace", bool(cfg.trace.overwrite), bool(cfg.resume))
-    results = check_writable(output_dir / cfg.results_file, "results_file")
+    results = check_results_file(output_dir / cfg.results_file)
     if cfg.resume and (path / META_FILE).is_file() and not cfg.trace.overwrite:
         trace = load_trace(path)
         print(f"trace: {path} is already complete ({len(trace.sequences)} sequences): nothing to resume")

@@ -21,7 +21,7 @@ from specfit.core.acceptance_estimators import attach_acceptance
 from specfit.core.cost_profiles import cost_profile
 from specfit.errors import ConfigError
 from specfit.registry import get_plugins
-from specfit.files import check_writable
+from specfit.files import check_results_file
 from specfit.results import append_jsonl
 from specfit.trace.format import Trace, load_trace
 from specfit.trace.replay import ReplayResult, draft_time_mode, model_loader, replay
@@ -114,7 +114,7 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
             raise ConfigError(f"{key}: specfit replay replays the prompts and greedy output recorded in the trace, "
                               f"so {key} does not apply{hint}")
     trace = load_trace(cfg.trace.path)
-    check_writable(output_dir / cfg.results_file, "results_file")  # before the replays run
+    check_results_file(output_dir / cfg.results_file)  # before the replays run
     draft_time = draft_time_mode(str(cfg.replay.draft_time))  # "recorded" is the earlier name of "measured"
     profile = cfg.replay.get("cost_profile")
     if profile is not None:  # another machine's constants: its drafting time is modelled too
