@@ -113,6 +113,9 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
             hint = _NOT_REPLAYED_HINTS.get(group, f"; record a trace with it (specfit record {o})")
             raise ConfigError(f"{key}: specfit replay replays the prompts and greedy output recorded in the trace, "
                               f"so {key} does not apply{hint}")
+        if group == "drafter" and not (key == "drafter" and o.split("=", 1)[-1].strip() == "none"):
+            raise ConfigError(f"{key}: specfit replay replays the trees drafted when the trace was recorded, so only "
+                              f"drafter=none (plain decoding) applies; record a trace with it (specfit record {o})")
     trace = load_trace(cfg.trace.path)
     check_results_file(output_dir / cfg.results_file)  # before the replays run
     draft_time = draft_time_mode(str(cfg.replay.draft_time))  # "recorded" is the earlier name of "measured"

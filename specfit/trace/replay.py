@@ -182,10 +182,30 @@ def model_loader(trace: Trace, model_cfg: Any = None) -> Callable[[], Any]:
                 if not recorded:
                     raise ConfigError("the trace's config names no model: give model.path=DIR (or model=tiny)")
                 cfg = ModelConfig(**{k: v for k, v in recorded.items() if k in ModelConfig.__dataclass_fields__})
-            cache.append(load_target(cfg).model.eval())
+            model = load_target(cfg).model.eval()
+            _check_model_matches(trace, model, given=model_cfg is not None)
+            cache.append(model)
         return cache[0]
 
     return load
+
+
+def _check_model_matches(trace: Trace, model: Any, given: bool) -> None:
+    """A predictor reading another model's routers would fail deep inside, or predict nonsense."""
+    from specfit.core.moe import moe_spec
+
+    def shape(spec: Any) -> tuple[int, ...]:
+        return tuple(int(getattr(spec, k)) for k in ("num_layers", "num_experts", "top_k", "hidden_size"))
+
+    loaded, recorded = shape(moe_spec(model)), shape(trace.meta.moe_spec())
+    if loaded != recorded:
+        which = "the model given (model=...)" if given else "the model the trace's config names"
+        raise ConfigError(f"the trace was recorded with a model of {_describe(recorded)}, but {which} has "
+                          f"{_describe(loaded)}; replay with the model the trace was recorded with")
+
+
+def _describe(shape: tuple[int, ...]) -> str:
+    return "{} MoE layers, {} experts, top-{}, hidden size {}".format(*shape)
 
 
 def replay(trace: Trace, selector: Any, cache: Any, cost_model: Any, predictor: Any = None, *,

@@ -69,6 +69,8 @@ def test_replay_single_method_with_oracle_predictor(trace_dir, tmp_path, capsys)
     (["trace.path=/nonexistent/trace"], "no such directory"),
     (["trace.path={trace}"], "carries no cost constants"),
     (["trace.path={trace}", *COSTS, "replay.draft_time=wall"], "replay.draft_time='wall'"),
+    (["trace.path={trace}", *COSTS, "drafter.depth=5"], "only drafter=none (plain decoding) applies"),
+    (["trace.path={trace}", *COSTS, "model=demo"], "recorded with a model of 4 MoE layers, 16 experts"),
 ])
 def test_replay_errors_are_one_line(trace_dir, tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as info:
