@@ -58,6 +58,7 @@ def method_config(cfg: DictConfig, method: str, workload: str | None, overrides:
     try:
         return compose(preset + overrides + last, config_name=_config_name())
     except ConfigError:
+        check_preset(method, preset + last)
         usable = [o for o in overrides if _composes(preset + [o] + last)]
         return compose(preset + usable + last, config_name=_config_name())
 
@@ -99,10 +100,20 @@ def _composes(overrides: list[str]) -> bool:
         return False
 
 
+def check_preset(method: str, preset: list[str]) -> None:
+    """A :class:`ConfigError` naming ``method_presets.<method>`` when its entries do not compose."""
+    try:
+        compose(preset, config_name=_config_name())
+    except ConfigError as exc:
+        raise ConfigError(f"method_presets.{method}={preset}: does not compose ({exc})") from exc
+
+
 def check_overrides(cfg: DictConfig, overrides: list[str]) -> None:
     """Each override must apply to at least one method (a typo is an error)."""
     if any(_composes(list(cfg.method_presets.get(m, [])) + overrides) for m in cfg.methods):
         return  # one method takes them all: one composition instead of one per override and method
+    for m in cfg.methods:  # a broken preset is the preset's fault, not the first override's
+        check_preset(m, list(cfg.method_presets.get(m, [])))
     for o in overrides:
         if not any(_composes(list(cfg.method_presets.get(m, [])) + [o]) for m in cfg.methods):
             compose([o], config_name=_config_name())  # raises the error that names the key
