@@ -11,6 +11,7 @@ the whole module (:func:`load_checkpoint`) go through transformers' ``from_pretr
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -91,8 +92,9 @@ def hub_snapshot(path: str) -> str | None:
     ``from_pretrained`` would), so that a hub checkpoint streams like a local one; None for a local
     path, or when there is no snapshot with safetensors weights (``from_pretrained`` then loads it,
     or says why it cannot)."""
-    if Path(path).expanduser().exists() or path.startswith((".", "/", "~")) or path.count("/") != 1:
+    if not _hub_id(path):
         return None
+    check_hub_id(path)
     try:
         from huggingface_hub import snapshot_download
 
@@ -100,6 +102,42 @@ def hub_snapshot(path: str) -> str | None:
     except Exception:  # noqa: BLE001 - offline, unknown repo, gated: from_pretrained reports it in one line
         return None
     return str(local) if (local / "config.json").is_file() and safetensors_files(local) else None
+
+
+def _hub_id(path: str) -> bool:
+    """Whether ``model.path`` names a hub repository (``owner/name``) rather than a local directory."""
+    return not (Path(path).expanduser().exists() or path.startswith((".", "/", "~")) or path.count("/") != 1)
+
+
+def check_hub_id(path: str) -> None:
+    """A hub id must be in the local hub cache or the hub reachable; otherwise say so at once
+    (offline, the hub client retries for half a minute, then transformers blames config.json)."""
+    owner = path.split("/", 1)[0]
+    if Path(owner).is_dir():  # models/Qwen3-30B with a local models/ folder: a mistyped local path
+        raise ModelError(f"model.path={path}: no such directory (nothing named {path.split('/', 1)[1]!r} in {owner}/)")
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(path, "config.json"), str) or hub_reachable():
+        return
+    raise ModelError(f"model.path={path}: no such local directory, and as a Hugging Face hub id it is not in the "
+                     f"local hub cache and the hub cannot be reached from here (offline); give a local checkpoint")
+
+
+@functools.cache
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers a TCP connection (False under ``HF_HUB_OFFLINE``)."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
 
 
 def check_checkpoint(path: str) -> Path | None:
@@ -114,8 +152,10 @@ def check_checkpoint(path: str) -> Path | None:
             raise ModelError(f"model.path={path}: no config.json there, so not a Hugging Face checkpoint")
         read_json(local / "config.json", f"model.path={path}")
         check_weight_files(local, f"model.path={path}")
-    elif path.startswith((".", "/", "~")) or path.count("/") != 1:
+    elif not _hub_id(path):
         raise ModelError(f"model.path={path}: no such directory")
+    else:
+        check_hub_id(path)
     check_architecture(str(local) if local.exists() else path)
     return local if local.exists() else None
 

@@ -291,6 +291,9 @@ def test_a_hub_id_streams_from_its_snapshot(saved, monkeypatch):
     """``model.path=org/name``: the hub's snapshot (here a stand-in directory) is streamed like a local one."""
     import huggingface_hub
 
+    import specfit.core.loading
+
+    monkeypatch.setattr(specfit.core.loading, "hub_reachable", lambda: True)
     asked = []
     monkeypatch.setattr(huggingface_hub, "snapshot_download",
                         lambda repo, allow_patterns=None, **kw: asked.append((repo, allow_patterns)) or str(saved))
@@ -305,7 +308,10 @@ def test_a_hub_id_without_a_snapshot_is_left_to_from_pretrained(tmp_path, monkey
     """Offline, unknown or .bin-only: no snapshot to stream, so from_pretrained loads it or says why."""
     import huggingface_hub
 
+    import specfit.core.loading
     from specfit.core.loading import hub_snapshot
+
+    monkeypatch.setattr(specfit.core.loading, "hub_reachable", lambda: True)
 
     def offline(*args, **kwargs):
         raise OSError("offline")
@@ -316,6 +322,19 @@ def test_a_hub_id_without_a_snapshot_is_left_to_from_pretrained(tmp_path, monkey
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: str(tmp_path))
     assert hub_snapshot("someorg/bin-only") is None
     assert hub_snapshot(str(tmp_path)) is None  # a local directory is no hub id
+
+
+def test_an_unreachable_hub_id_fails_at_once_naming_model_path(tmp_path, monkeypatch):
+    """Offline and not in the hub cache: one error now, not half a minute of the hub client's retries."""
+    import specfit.core.loading
+
+    monkeypatch.setattr(specfit.core.loading, "hub_reachable", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelError, match=r"model.path=someorg/absent: no such local directory.*cannot be reached"):
+        load_target(ModelConfig(path="someorg/absent", device="cpu"))
+    (tmp_path / "models").mkdir()  # a local folder of that name: a mistyped local path, not a hub id
+    with pytest.raises(ModelError, match=r"model.path=models/Qwen3: no such directory \(nothing named 'Qwen3'"):
+        load_target(ModelConfig(path="models/Qwen3", device="cpu"))
 
 
 def test_a_header_whose_shape_and_bytes_disagree_is_named(saved, tmp_path):
