@@ -19,7 +19,8 @@ from specfit.core.engine import Engine
 from specfit.core.loading import load_target
 from specfit.core.sampling import SamplingParams
 from specfit.core.setup_state import attach_setup_state
-from specfit.config import check_config
+from specfit.config import check_config, unused_setting_notes
+from specfit.config_messages import note_once
 from specfit.errors import ConfigError
 from specfit.registry import get_plugins
 
@@ -36,6 +37,8 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
     if not isinstance(cfg, DictConfig):
         raise ConfigError(f"build() takes the config specfit.compose() returns, got {type(cfg).__name__}")
     check_config(cfg)  # a config changed after compose() gets the same checks
+    for note in unused_setting_notes(cfg):
+        note_once(note)
     plugins = get_plugins()
     parts: dict[str, Any] = {}
     for kind in ("drafter", "selector", "cost_model", "predictor", "cache"):  # before the model: fail fast

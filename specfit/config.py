@@ -367,6 +367,8 @@ def _check_workload(workload: DictConfig) -> None:
     integer("workload.num_prompts", workload.num_prompts, minimum=1)
     integer("workload.prompt_chars", workload.prompt_chars, minimum=1)
     optional_integer("workload.max_prompts", workload.max_prompts, minimum=1)
+    if workload.path is not None and Path(workload.path).expanduser().is_dir():
+        raise ConfigError(f"workload.path={workload.path}: is a directory, not a JSON-lines file")
     if workload.path is not None and not Path(workload.path).expanduser().is_file():
         raise ConfigError(f"workload.path={workload.path}: no such file")  # its contents: when it is read
 
@@ -380,3 +382,33 @@ def _check_replay(replay: DictConfig) -> None:
         from specfit.core.cost_profiles import cost_profile
 
         cost_profile(replay.cost_profile)
+
+
+def unused_setting_notes(cfg: DictConfig) -> list[str]:
+    """Settings this config gives that change nothing in its run, each as one sentence.
+
+    Not errors: a sweep or a bench's methods may set them for the runs where they apply. But a
+    user who sets them for this run should hear that they do nothing here."""
+    notes = []
+    cache, drafter = cfg.get("cache"), cfg.get("drafter")
+    drafting = drafter is not None and drafter.name != "none"
+    if cache is not None and cache.get("copy") != "emulated" and dict(cache.link) != dict(LinkConfig().__dict__):
+        notes.append(f"cache.link sets the emulated link, which only cache.copy=emulated charges; "
+                     f"cache.copy={cache.get('copy')} copies over the real link, so cache.link is unused")
+    if cache is not None and cache.name == "full" and (cache.capacity is not None or cache.capacity_bytes is not None):
+        key = "cache.capacity" if cache.capacity is not None else "cache.capacity_bytes"
+        notes.append(f"cache=full gives every expert a slot, so {key} is unused")
+    prefetch = cfg.get("prefetch")
+    if prefetch is not None and prefetch.name == "draft" and not drafting:
+        notes.append("prefetch=draft prefetches while drafting, and this run drafts nothing (drafter=none): "
+                     "no prefetches; prefetch=lookahead or auto prefetch in plain decoding")
+    selector = cfg.get("selector")
+    if drafting and selector is not None and selector.name == "none":
+        notes.append(f"selector=none never drafts, so drafter={drafter.name} is unused (plain decoding)")
+    sampling = cfg.sampling
+    if sampling.temperature == 0 and (sampling.top_k != 0 or sampling.top_p != 1.0):
+        keys = [k for k, unset in (("sampling.top_k", sampling.top_k == 0), ("sampling.top_p", sampling.top_p == 1.0))
+                if not unset]
+        notes.append(f"{' and '.join(keys)} {'shape' if len(keys) > 1 else 'shapes'} sampling, and "
+                     "sampling.temperature=0 decodes greedily, so it is unused")
+    return notes

@@ -7,6 +7,17 @@ without importing each other.
 from __future__ import annotations
 
 import re
+import sys
+
+_noted: set[str] = set()
+
+
+def note_once(message: str) -> None:
+    """``specfit: note: message`` on stderr, once per process (a bench builds one engine per method)."""
+    if message not in _noted:
+        _noted.add(message)
+        print(f"specfit: note: {message}", file=sys.stderr)
+
 
 def one_line_config_error(exc: BaseException) -> str:
     """Hydra's messages span lines and end in hints about HYDRA_FULL_ERROR; keep what names the problem."""

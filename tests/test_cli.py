@@ -167,7 +167,9 @@ def test_trainer_commands_are_configured_by_their_dataclass(command, capsys):
     [
         ("cache.copy=foo", "unknown copy engine cache.copy='foo'"),
         ("cache.link.profile=foo", "unknown link profile 'foo'"),
-        ("cache.link.bandwidth_gbps=0", "cache.link.bandwidth_gbps must be > 0"),
+        ("cache.link.bandwidth_gbps=0", "cache.link.bandwidth_gbps must be a finite number > 0"),
+        ("cache.link.bandwidth_gbps=inf", "cache.link.bandwidth_gbps must be a finite number > 0, got inf"),
+        ("cache.link.latency_us=inf", "cache.link.latency_us must be a finite number >= 0"),
         ("model.attn_implementation=flash_attention_2", "model.attn_implementation='flash_attention_2'"),
         ("model.device=tpu", "model.device='tpu' is not a torch device"),
         ("cost_model.c0=-1", "cost_model.c0=-1"),

@@ -68,3 +68,24 @@ def test_a_command_line_group_choice_wins_over_a_method_preset(capsys):
     assert ar.drafter.name == "none" and ar.workload.kind == "gsm"  # the run's workload is the bench's
     assert method_config(cfg, "specfit", None, []).predictor.name == "history"
     assert "predictor=oracle replaces method specfit's predictor=history" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("overrides", "note"), [
+    (["cache.copy=torch", "cache.link.bandwidth_gbps=10"], "cache.copy=torch copies over the real link, so cache.link"),
+    (["cache=full", "cache.capacity=4"], "cache=full gives every expert a slot, so cache.capacity is unused"),
+    (["prefetch=draft"], "prefetch=draft prefetches while drafting, and this run drafts nothing"),
+    (["drafter=eagle3", "selector=none"], "selector=none never drafts, so drafter=eagle3 is unused"),
+    (["sampling.top_k=5", "sampling.top_p=0.9"], "sampling.top_k and sampling.top_p shape sampling"),
+])
+def test_a_setting_that_changes_nothing_is_noted(overrides, note):
+    from specfit.config import unused_setting_notes
+
+    assert [n for n in unused_setting_notes(specfit.compose(["model=tiny", *overrides])) if note in n]
+
+
+def test_the_default_configs_note_nothing():
+    from specfit.config import unused_setting_notes
+
+    for overrides in ([], ["cache.copy=emulated", "cache.link.bandwidth_gbps=10"], ["sampling.temperature=0.7",
+                                                                                      "sampling.top_k=5"]):
+        assert unused_setting_notes(specfit.compose(["model=tiny", *overrides])) == []

@@ -32,6 +32,7 @@ from specfit.config import TAKES_ALL_PROMPTS, compose, num_prompts_unused, overr
 from specfit.errors import ConfigError
 from specfit.files import check_results_file, check_writable, read_jsonl, write_atomic
 from specfit.progress import progress
+from specfit.config_messages import note_once
 from specfit.registry import get_plugins
 from specfit.results import append_jsonl, comparison_table, mean_stats, paired_fields, run_config, spec_bench_answers
 from specfit.workloads import describe
@@ -63,18 +64,14 @@ def method_config(cfg: DictConfig, method: str, workload: str | None, overrides:
         return compose(preset + usable + last, config_name=_config_name())
 
 
-_noted: set[tuple[str, str]] = set()
-
-
 def note_replaced_choices(method: str, preset: list[str], overrides: list[str]) -> None:
     """Say once (stderr) when a command-line group choice replaces the one a method's preset makes
     (``cache=lru`` gives ``ar_nocache`` a cache): the user asked for it, but may not know it."""
     chosen = dict(o.split("=", 1) for o in preset if "=" in o and "." not in o.split("=", 1)[0])
     for o in overrides:
         group, _, value = o.partition("=")
-        if group in chosen and chosen[group] != value and (method, o) not in _noted:
-            _noted.add((method, o))
-            print(f"specfit: note: {o} replaces method {method}'s {group}={chosen[group]}", file=sys.stderr)
+        if group in chosen and chosen[group] != value:
+            note_once(f"{o} replaces method {method}'s {group}={chosen[group]}")
 
 
 def without_unused_cost_model(cfg: DictConfig) -> DictConfig:

@@ -42,6 +42,7 @@ imports triton.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -599,10 +600,10 @@ class LinkSettings:
         ref = self.ref_expert_bytes if self.ref_expert_bytes is not None else (prof.ref_expert_bytes if prof else None)
         if bw is None:
             raise ValueError("cache.link.bandwidth_gbps is required when cache.link.profile is null")
-        if not bw > 0:
-            raise ValueError(f"cache.link.bandwidth_gbps must be > 0, got {bw}")
-        if lat < 0:
-            raise ValueError(f"cache.link.latency_us must be >= 0, got {lat}")
+        if not 0 < bw < math.inf:
+            raise ValueError(f"cache.link.bandwidth_gbps must be a finite number > 0, got {bw}")
+        if not 0 <= lat < math.inf:
+            raise ValueError(f"cache.link.latency_us must be a finite number >= 0, got {lat}")
         if ref is not None and ref <= 0:
             raise ValueError(f"cache.link.ref_expert_bytes must be > 0 (or null), got {ref}")
         return float(bw), float(lat), (int(ref) if ref is not None else None)

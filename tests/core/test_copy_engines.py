@@ -212,7 +212,7 @@ def test_link_settings_override_profile():
     assert LinkSettings(profile="olmoe-1b-7b-pcie4").resolve()[2] == 3 * 1024 * 2048 * 2
     with pytest.raises(ValueError, match="bandwidth_gbps is required"):
         LinkSettings(profile=None).resolve()
-    with pytest.raises(ValueError, match="must be > 0"):
+    with pytest.raises(ValueError, match="must be a finite number > 0"):
         LinkSettings(bandwidth_gbps=0).resolve()
     eng = make_copy_engine("emulated", DEVICE, {"profile": "qwen3-30b-a3b-pcie3", "bandwidth_gbps": 8})
     assert eng.describe()["bandwidth_gbps"] == 8.0
