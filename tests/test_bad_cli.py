@@ -174,6 +174,8 @@ CASES: list[tuple[str, str, str]] = [
     ("bench model=tiny prompt_ids=[1] methods=[ar] baseline=nope", "baseline", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=[ar] baseline=eagle3", "baseline=eagle3 is not among methods", EARLY),
     ("bench model=tiny prompt_ids=[1] drafter.topk=3", "topk", EARLY),
+    ("bench model=tiny methods=[ar] workloads=[gsm] workload=prose", "give workload=NAME or workloads=[...], not both",
+     EARLY),
     ("""bench model=tiny prompt_ids=[1] methods=[ar,bad] '+method_presets.bad=["selector=nope"]'""",
      "method_presets.bad=['selector=nope']: does not compose", EARLY),
     ("""bench model=tiny prompt_ids=[1] methods=[ar,bad] '+method_presets.bad=["selector=nope"]' drafter.top_k=3""",

@@ -210,6 +210,9 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
         # a default baseline that did not run gives way to the first method; one the user named must run
         raise ConfigError(f"baseline={cfg.baseline} is not among methods={list(cfg.methods)}: add it to methods "
                           f"(without baseline=, speedups are over the first method, {cfg.methods[0]})")
+    if cfg.workloads and any(override_key(o) == "workload" for o in overrides):  # the list's choice would win
+        raise ConfigError(f"give workload=NAME or workloads=[...], not both (workloads={list(cfg.workloads)} runs each "
+                          f"of them; add the other to that list)")
     check_overrides(cfg, overrides)
     _check_num_prompts_applies(cfg, overrides)
     results = check_results_file(output_dir / cfg.results_file)
