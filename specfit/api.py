@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specfit.core.calibration import (
     FIT_VERSION, calibration_path, check_calibration_destination, load_constants, run_calibration, save_constants,
-    stored_fit_version,
+    setup_differences, stored_fit_version,
 )
 from specfit.core.acceptance_estimators import attach_acceptance
 from specfit.core.copy_engines import LinkSettings
@@ -130,6 +130,10 @@ def _attach_calibration(engine: Engine, prompts: Sequence[Any] | None) -> None:
     source = getattr(model, "calibration", "auto")
     if source not in ("auto", None):
         model.set_constants(load_constants(source))
+        differs = setup_differences(source, engine)
+        if differs:  # allowed (planning with another machine's constants), but never silently
+            note_once(f"cost_model.calibration={source} was measured on another setup (its {', '.join(differs)} "
+                      f"differ from this run's); its constants are used as given")
         return
     path = calibration_path(engine)
     if path.is_file():

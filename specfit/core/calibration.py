@@ -192,6 +192,16 @@ def stored_fit_version(path: Path) -> int | None:
     return version if isinstance(version, int) and not isinstance(version, bool) else None
 
 
+def setup_differences(path: str | Path, engine: Any) -> list[str]:
+    """The top-level setup keys (model, cache, drafter, machine, ...) in which the calibration file
+    ``path`` was measured on another setup than ``engine``'s; [] when they agree or it records none."""
+    stored = read_json_object(Path(path).expanduser(), f"cost_model.calibration={path}", ConfigError).get("setup")
+    if not isinstance(stored, dict):
+        return []
+    here = json.loads(json.dumps(setup_fingerprint(engine), default=str))
+    return [key for key in sorted(set(stored) | set(here)) if stored.get(key) != here.get(key)]
+
+
 def calibration_path(engine: Any) -> Path:
     fingerprint = json.dumps(setup_fingerprint(engine), sort_keys=True, default=str)
     return calibration_dir() / f"{hashlib.sha1(fingerprint.encode()).hexdigest()[:16]}.json"

@@ -132,6 +132,22 @@ def test_calibration_is_measured_once_then_reused(tmp_path, monkeypatch):
     assert out.token_ids == reference()[len(PROMPT):][:8]
 
 
+def test_a_calibration_file_of_another_setup_is_used_with_a_note(tmp_path, monkeypatch, capsys):
+    """cost_model.calibration=FILE from another setup is honoured (planning with another machine's
+    constants is legitimate) but never silently: the differing parts of the setup are named."""
+    monkeypatch.setenv("SPECFIT_HOME", str(tmp_path))
+    overrides = ["model=tiny", "drafter=eagle3", "drafter.top_k=3", "drafter.depth=2", "drafter.total_tokens=6",
+                 "selector=specfit", "cost_model=union", "predictor=history", "cache.capacity=4", "max_new_tokens=8"]
+    specfit.build(specfit.compose(overrides))
+    (path,) = tmp_path.glob("calibration/*.json")
+    capsys.readouterr()
+    specfit.build(specfit.compose([*overrides, f"cost_model.calibration={path}"]))
+    assert "another setup" not in capsys.readouterr().err  # its own setup: nothing to say
+    other = specfit.build(specfit.compose([*overrides, "cache.capacity=2", f"cost_model.calibration={path}"]))
+    assert "was measured on another setup (its slots_per_layer differ" in capsys.readouterr().err
+    assert other.cost_model.constants.source == str(path)
+
+
 def test_a_calibration_fitted_by_an_older_specfit_is_measured_again(tmp_path, monkeypatch, capsys):
     """A stored file without the current ``fit_version`` (an older fit) is not reused silently."""
     from specfit.core.calibration import FIT_VERSION
