@@ -55,7 +55,7 @@ def fit_acceptance(cfg: FitAcceptanceConfig) -> Path:
     check_results_file(out / "results.jsonl", "out_dir")
     trace = load_trace(cfg.trace.path)
     trees = list(trace_trees(trace))
-    held_traces = [load_trace(path) for path in cfg.held_out]
+    held_traces = [load_trace(path, key="held_out") for path in cfg.held_out]
     for note in dict.fromkeys(n for t in (trace, *held_traces) for n in t.notes):  # each once
         print(f"note: {note}")
     if cfg.held_out:

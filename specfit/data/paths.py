@@ -39,8 +39,8 @@ def resolve_data_dir(data_dir: str | os.PathLike[str] | None, *required: str) ->
     path = Path(data_dir).expanduser().resolve() if data_dir is not None else default_data_dir()
     if not path.is_dir():
         raise DataDirError(
-            f"training data directory not found: {path} "
-            f"(pass data_dir=... or set ${DATA_DIR_ENV}; the project expects ../shared/data "
+            f"data directory not found: {path} (workloads take workload.data_dir=..., the trainers data_dir=...; "
+            f"or set ${DATA_DIR_ENV}; the project expects ../shared/data "
             "beside the repository, holding corpus/ and gsm/)"
         )
     for rel in required:

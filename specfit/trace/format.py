@@ -436,11 +436,12 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def load_trace(path: str | Path) -> Trace:
-    """Read a trace directory, checking its format version and the consistency of every file."""
+def load_trace(path: str | Path, key: str = "trace.path") -> Trace:
+    """Read a trace directory, checking its format version and the consistency of every file.
+    ``key``: the setting that named it, for the messages (``held_out`` for fit-acceptance's)."""
     path = Path(path).expanduser()
     if not path.is_dir():
-        raise TraceError(f"trace.path={path}: no such directory (record one with `specfit record`)")
+        raise TraceError(f"{key}={path}: no such directory (record one with `specfit record`)")
     meta_path = path / META_FILE
     if not meta_path.is_file():
         if (path / PARTIAL_FILE).is_file() or any(path.glob("seq-*.npz")):
@@ -488,6 +489,8 @@ def _read_sequence(file: Path, layers: int, top_k: int, added: bool = True) -> T
     except TraceError:
         raise
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        if "pickle" in str(exc):  # numpy's words for "not an .npz archive" mention a loader flag
+            raise TraceError(f"{file}: corrupt (not an .npz archive of arrays)") from exc
         raise TraceError(f"{file}: corrupt ({type(exc).__name__}: {exc})") from exc
     if not added:
         positions, nodes = len(arrays["root_argmax"]), len(arrays["node_token"])

@@ -77,6 +77,13 @@ def test_fit_acceptance_needs_a_trace(tmp_path, capsys):
     assert info.value.code == 2 and "trace.path" in capsys.readouterr().err
 
 
+def test_fit_acceptance_names_a_missing_held_out_trace(trace_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["fit-acceptance", f"trace.path={trace_dir}", "held_out=[/nonexistent]", f"out_dir={tmp_path}",
+              f"hydra.run.dir={tmp_path / 'run'}"])
+    assert info.value.code == 2 and "held_out=/nonexistent: no such directory" in capsys.readouterr().err
+
+
 def test_replay_notes_once_that_eagle3_uses_no_acceptance_estimates(trace_dir, tmp_path, capsys):
     """The note is said once per method (not again for the warmup's throwaway plugins), and not for
     the oracle row the replay adds (it knows the outcomes)."""

@@ -123,6 +123,9 @@ def test_load_errors_are_clear(trace, tmp_path):
     (path / "seq-00000.npz").write_bytes(data[: len(data) // 2])
     with pytest.raises(TraceError, match="seq-00000.npz: corrupt"):
         load_trace(path)
+    (path / "seq-00000.npz").write_bytes(b"garbage\n")  # not an archive: said so, not numpy's loader flags
+    with pytest.raises(TraceError, match=r"seq-00000.npz: corrupt \(not an .npz archive of arrays\)$"):
+        load_trace(path)
     (path / "seq-00000.npz").unlink()
     with pytest.raises(TraceError, match="seq-00000.npz is missing"):
         load_trace(path)
