@@ -8,7 +8,8 @@ cycle-time breakdown (drafting, selection, verification compute, and the time co
 copies, shown apart) per generated token. Runs that prefetched experts add prefetch precision and
 recall (defined in :func:`specfit.results.prefetch_figures`) to the tables.
 
-Rows that score an acceptance estimator (``specfit replay`` of a cost-aware selector,
+Replayed methods (``specfit replay``) get a table per trace, as the replay printed it, marked as
+predicted time. Rows that score an acceptance estimator (``specfit replay`` of a cost-aware selector,
 ``specfit fit-acceptance``) add a table of Brier score and log loss per estimator and a reliability
 plot (mean forecast a_v against the observed acceptance frequency, per forecast bin). Plots need
 matplotlib (the ``plots`` extra); without it the report has the tables alone.
@@ -52,7 +53,8 @@ def read_all_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
 
 
 def acceptance_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows that score an acceptance estimator, each with a ``label`` naming it and where it ran."""
+    """Replayed methods (``specfit replay``) get a table per trace, as the replay printed it, marked as
+predicted time. Rows that score an acceptance estimator, each with a ``label`` naming it and where it ran."""
     out = []
     for r in rows:
         reliability = r.get("acceptance_reliability")
@@ -143,12 +145,14 @@ def write_report(paths: Sequence[str | Path], out_dir: str | Path) -> Path:
     every = read_all_rows(paths)
     rows = [r for r in every if "output_throughput" in r]
     scored = acceptance_rows(every)
-    if not rows and not scored:
-        raise ConfigError("report: the results hold no decoding runs (rows with output_throughput) "
-                          "and no acceptance scores")
+    replays = [r for r in every if r.get("command") == "replay" and "predicted_tokens_per_second" in r]
+    if not rows and not scored and not replays:
+        raise ConfigError("report: the results hold no decoding runs (rows with output_throughput), "
+                          "no replays and no acceptance scores")
     summary = group(rows) if rows else []
     out.mkdir(parents=True, exist_ok=True)
-    lines = ["# specfit report", "", f"{len(rows)} runs from {', '.join(map(str, paths))}.", ""]
+    counts = [f"{len(rows)} decoding runs"] + ([f"{len(replays)} replayed methods"] if replays else [])
+    lines = ["# specfit report", "", f"{' and '.join(counts)} from {', '.join(map(str, paths))}.", ""]
     emulated = any(r.get("h2d_emulated") for r in rows)
     if emulated:
         lines += ["H2D times are **emulated** (`cache.copy=emulated`): each copy was charged the reference link's time.", ""]
@@ -163,6 +167,7 @@ def write_report(paths: Sequence[str | Path], out_dir: str | Path) -> Path:
                   "prefetched experts used / (those + misses), the share of the copies the passes needed that "
                   "prefetch brought; `stall ms/tok` = time compute blocked on copies per output token.", ""]
     plots = _plots(summary, out) if summary else []
+    lines += replay_sections(replays)
     if scored:
         lines += ["## Acceptance estimators", "",
                   "Forecasts a_v of the cost-aware selectors' acceptance estimators against the outcomes "
@@ -170,6 +175,23 @@ def write_report(paths: Sequence[str | Path], out_dir: str | Path) -> Path:
         plots += _reliability_plot(scored, out)
     lines += [f"![{name}]({name})" for name in plots]
     return write_atomic(out / "report.md", "\n".join(lines) + "\n")
+
+
+def replay_sections(replays: Sequence[dict[str, Any]]) -> list[str]:
+    """One table per replayed trace and time basis, as `specfit replay` printed it."""
+    from specfit.commands.replay import replay_table
+
+    lines: list[str] = []
+    parts: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in replays:
+        time = f"cost profile {r['cost_profile']}" if r.get("cost_profile") else "the cost model"
+        parts[(str(r.get("trace")), time, str(r.get("draft_time")))].append(
+            {**r, "cache_desc": f"{r.get('cache')}:{r.get('cache_slots_per_layer')}"})
+    for (trace, time, draft_time), members in parts.items():
+        lines += [f"## Replay of {trace}", "", f"Time predicted by {time} from the trace (drafting time: {draft_time}), "
+                  "not a measured decode.", "",
+                  "```", replay_table(members), "```", ""]
+    return lines
 
 
 def _baseline(rows: Sequence[dict[str, Any]]) -> str:

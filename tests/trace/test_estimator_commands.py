@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -44,6 +45,10 @@ def test_replay_with_a_profile_charges_its_constants_and_says_time_is_modelled(t
     learned = rows["specfit_learned"]  # the estimator's forecasts are scored in the replay
     assert learned["acceptance_estimator"] == "learned" and learned["acceptance_nodes"] > 0
     assert "acceptance_brier" not in rows["ar"]
+    text = write_report([tmp_path / "results.jsonl"], tmp_path / "report").read_text()  # replays get their table
+    assert "0 decoding runs and 2 replayed methods" in text and f"Time predicted by cost profile {PROFILE}" in text
+    table = text.split("## Replay of", 1)[1]
+    assert "pred tok/s" in table and "specfit_learned" in table and re.search(r"\n\s*ar\s+lru:4\s", table)
 
 
 def test_fit_acceptance_writes_a_model_replay_uses_and_scores_report_plots(trace_dir, tmp_path, capsys):
