@@ -83,6 +83,12 @@ def exit_for(exc: BaseException, verbose: bool = False) -> NoReturn:
         raise SystemExit(130)
     if isinstance(exc, SystemExit):
         raise exc
+    if isinstance(exc, BrokenPipeError):  # `specfit plugins --json | head`: the reader left; nothing to say
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        except (OSError, ValueError):  # stdout is no file (captured): nothing will flush to the pipe
+            pass
+        raise SystemExit(1)
     if verbose:
         traceback.print_exception(exc)
     if isinstance(exc, SpecfitError):

@@ -366,6 +366,17 @@ def test_an_os_error_is_a_user_error(monkeypatch, capsys, tmp_path):
     assert code == 2 and err.strip() == "specfit: error: /x/y: Permission denied"
 
 
+def test_a_reader_that_leaves_early_gets_no_error(monkeypatch, capsys):
+    """`specfit plugins --json | head -1`: the closed pipe ends the command quietly (exit 1, no error line)."""
+    def broken_pipe(*args, **kwargs):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("specfit.commands.plugins.run", broken_pipe)
+    with pytest.raises(SystemExit) as info:
+        main(["plugins", "--json"])
+    assert info.value.code == 1 and capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize(("argv", "needle"), [
     (["generate", "model=tiny", "prompt_ids=[1]", "+drafter.foo=1"], "drafter.foo"),
     (["nope"], "unknown command 'nope'"),
