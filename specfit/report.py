@@ -53,8 +53,7 @@ def read_all_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
 
 
 def acceptance_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Replayed methods (``specfit replay``) get a table per trace, as the replay printed it, marked as
-predicted time. Rows that score an acceptance estimator, each with a ``label`` naming it and where it ran."""
+    """Rows that score an acceptance estimator, each with a ``label`` naming it and where it ran."""
     out = []
     for r in rows:
         reliability = r.get("acceptance_reliability")
