@@ -245,7 +245,9 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ConfigError("this model has no tokenizer: give the prompt as token ids (prompt_ids=[...])")
-            prompt = self.tokenizer(prompt)["input_ids"]  # the tokenizer's own defaults (BOS where it adds one)
+            # the tokenizer's own defaults (BOS where it adds one); not verbose: a prompt past the model's
+            # length gets specfit's one-line error (check_prompt), not also the tokenizer's warning
+            prompt = self.tokenizer(prompt, verbose=False)["input_ids"]
         # ints only (no floats, bools, strings or nested lists), in the vocabulary, at least one
         return token_ids("prompt", prompt, self.model.config.vocab_size, allow_empty=False)
 

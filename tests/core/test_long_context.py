@@ -135,6 +135,19 @@ def test_prompt_that_fills_the_context(engines, long_text_ids):
         engine.generate(long_text_ids[:CONTEXT], max_new_tokens=8)
 
 
+def test_a_text_prompt_past_the_context_gets_one_error_not_the_tokenizers_warning(engines):
+    """specfit checks the limit itself (one line naming it); the tokenizer must not warn first
+    ("Token indices sequence length is longer than ... will result in indexing errors")."""
+    engine = engines("ar")
+    prompts = [json.loads(line)["prompt"] for line in (DEMO / "prompts.jsonl").read_text().splitlines()]
+    text = "\n\n".join(prompts * 20)
+    flag = "sequence-length-is-longer-than-the-specified-maximum"  # set whenever transformers would warn
+    engine.tokenizer.deprecation_warnings.pop(flag, None)
+    with pytest.raises(ConfigError, match="but the context limit is 2048"):
+        engine.generate(text, max_new_tokens=8)
+    assert flag not in engine.tokenizer.deprecation_warnings
+
+
 # --------------------------------------------------------------------------- the limit's settings
 
 
