@@ -67,11 +67,16 @@ def engines():
     return get
 
 
+def demo_prompts() -> list[str]:
+    """The demo's shipped prompts (held-out prose and GSM), as text."""
+    return [json.loads(line)["prompt"] for line in (DEMO / "prompts.jsonl").read_text().splitlines()]
+
+
 @pytest.fixture(scope="module")
 def long_text_ids(engines):
     """Real text (the demo prompts, repeated) of at least a full context: drafts are long and accepted."""
     tokenizer = engines("ar").tokenizer
-    prompts = [json.loads(line)["prompt"] for line in (DEMO / "prompts.jsonl").read_text().splitlines()]
+    prompts = demo_prompts()
     ids = tokenizer("\n\n".join(prompts))["input_ids"]
     return (ids * (CONTEXT // len(ids) + 1))[:CONTEXT]
 
@@ -139,7 +144,7 @@ def test_a_text_prompt_past_the_context_gets_one_error_not_the_tokenizers_warnin
     """specfit checks the limit itself (one line naming it); the tokenizer must not warn first
     ("Token indices sequence length is longer than ... will result in indexing errors")."""
     engine = engines("ar")
-    prompts = [json.loads(line)["prompt"] for line in (DEMO / "prompts.jsonl").read_text().splitlines()]
+    prompts = demo_prompts()
     text = "\n\n".join(prompts * 20)
     flag = "sequence-length-is-longer-than-the-specified-maximum"  # set whenever transformers would warn
     engine.tokenizer.deprecation_warnings.pop(flag, None)
