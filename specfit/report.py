@@ -44,6 +44,10 @@ def read_all_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
     for path in map(Path, paths):
         files = sorted(path.rglob("results.jsonl")) if path.is_dir() else [path]
         if not files or not all(f.is_file() for f in files):
+            key, eq, value = str(path).partition("=")
+            if eq and key.replace(".", "").replace("_", "").isalnum() and not path.exists():  # out_dir=DIR, Hydra-style
+                raise ConfigError(f"report: no results found at {path} (specfit report takes results paths and "
+                                  f"--out DIR, not {key}=...)")
             raise ConfigError(f"report: no results found at {path}")
         for f in files:
             file_rows = read_jsonl(f, key="report")  # a torn last line (an interrupted run) is skipped

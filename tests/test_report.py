@@ -39,6 +39,16 @@ def test_report_command_and_bad_input(tmp_path, capsys):
     assert info.value.code == 2
 
 
+def test_report_points_a_hydra_style_out_dir_to_its_flag(tmp_path, capsys, monkeypatch):
+    """`specfit report RESULTS out_dir=DIR` (the other commands' style) names --out, not just "no results"."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results.jsonl").write_text('{"method": "ar", "output_throughput": 1.0, "num_output_tokens": 8, "total_seconds": 8.0}\n')
+    with pytest.raises(SystemExit) as info:
+        main(["report", "results.jsonl", "out_dir=r"])
+    assert info.value.code == 2
+    assert "--out DIR, not out_dir=" in capsys.readouterr().err
+
+
 def test_sweep_axes_are_what_differs_within_a_method():
     rows = [{"method": "ar", "config": {"cache": {"capacity": c, "name": "lru"}, "max_new_tokens": 8}} for c in (2, 4)]
     assert sweep_axes(rows) == ["cache.capacity"]
