@@ -66,7 +66,18 @@ def acceptance_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         source = r.get("method") or r.get("command", "run")
         estimator = r.get("acceptance_estimator", "?")
         out.append({**r, "label": estimator if source == "fit-acceptance" else f"{source} ({estimator})"})
+    if len({_scored_on(r) for r in out}) > 1:  # several traces: the same estimator's rows must be told apart
+        for r in out:
+            r["label"] += f" on {_scored_on(r)}"
     return out
+
+
+def _scored_on(row: dict[str, Any]) -> str:
+    """The outcomes a row's scores were measured on: the replayed trace, or fit-acceptance's held-out part."""
+    where = row.get("held_out") if row.get("command") == "fit-acceptance" else row.get("trace")
+    if isinstance(where, list):
+        return ", ".join(Path(str(w)).name for w in where)
+    return Path(str(where)).name if row.get("command") != "fit-acceptance" else str(where)
 
 
 def acceptance_table(rows: Sequence[dict[str, Any]]) -> str:

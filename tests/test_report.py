@@ -49,6 +49,18 @@ def test_report_points_a_hydra_style_out_dir_to_its_flag(tmp_path, capsys, monke
     assert "--out DIR, not out_dir=" in capsys.readouterr().err
 
 
+def test_estimator_rows_of_several_traces_say_which_trace():
+    from specfit.report import acceptance_rows
+
+    def row(trace: str) -> dict:
+        return {"command": "replay", "trace": trace, "method": "specfit", "acceptance_estimator": "path_prob",
+                "acceptance_reliability": [[0.1, 0.1, 10]]}
+
+    assert [r["label"] for r in acceptance_rows([row("/t/prose-1")])] == ["specfit (path_prob)"]
+    assert [r["label"] for r in acceptance_rows([row("/t/prose-1"), row("/t/gsm-1")])] == \
+        ["specfit (path_prob) on prose-1", "specfit (path_prob) on gsm-1"]
+
+
 def test_sweep_axes_are_what_differs_within_a_method():
     rows = [{"method": "ar", "config": {"cache": {"capacity": c, "name": "lru"}, "max_new_tokens": 8}} for c in (2, 4)]
     assert sweep_axes(rows) == ["cache.capacity"]
