@@ -69,12 +69,25 @@ def check_results_file(path: str | Path, key: str = "results_file") -> Path:
     return path
 
 
+def _current_umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it is to set it: put it back at once
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()  # read once: setting it to read it is not thread-safe
+
+
 def write_atomic(path: str | Path, data: str | bytes | Callable[[IO[bytes]], None]) -> Path:
     """Write ``data`` (text, bytes, or a function that writes to a binary file) to ``path`` atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp makes the file private (0600); the result gets the mode a plain open() would give
+        # it (the umask's), or keeps the one it had
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, path.stat().st_mode & 0o7777 if path.is_file() else 0o666 & ~_UMASK)
         with os.fdopen(fd, "wb") as f:
             if callable(data):
                 data(f)

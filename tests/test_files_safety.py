@@ -93,6 +93,19 @@ def test_every_torch_load_in_the_repository_is_weights_only():
 # --------------------------------------------------------------------------- atomic files
 
 
+@pytest.mark.skipif(not hasattr(os, "fchmod"), reason="POSIX file modes")
+def test_write_atomic_gives_the_umasks_mode_or_keeps_the_files_own(tmp_path):
+    """A report or a results file is readable as any file the user writes is (mkstemp's 0600 is not
+    what an atomic write should leave), and a file's own mode survives being rewritten."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    fresh = write_atomic(tmp_path / "report.md", "x")
+    assert fresh.stat().st_mode & 0o777 == 0o666 & ~umask
+    fresh.chmod(0o640)
+    write_atomic(fresh, "y")
+    assert fresh.stat().st_mode & 0o777 == 0o640 and fresh.read_text() == "y"
+
+
 def test_write_atomic_replaces_whole_files_and_leaves_no_temporary(tmp_path):
     path = tmp_path / "sub" / "a.json"
     write_atomic(path, "old\n")
