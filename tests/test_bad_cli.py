@@ -195,6 +195,13 @@ CASES: list[tuple[str, str, str]] = [
     ("calibrate model=tiny max_new_tokens=0", "max_new_tokens", EARLY),
     ("train-target nope=1", "nope", EARLY),
     ("train-drafter +nope=1", "nope", EARLY),
+    # the trainers' paths and values: one line naming the key (not transformers' repo-id words), exit 2
+    ("train-drafter target_dir=/nope/target out_dir={tmp}/t1", "target_dir=/nope/target: no such directory", EARLY),
+    ("train-drafter target_dir=specfit/assets/demo/target tokenizer_dir=/nope/tok out_dir={tmp}/t2",
+     "tokenizer_dir=/nope/tok: no such directory", EARLY),
+    ("train-drafter target_dir=specfit/assets/demo/target init_from=/nope/head out_dir={tmp}/t3",
+     "init_from=/nope/head: no such directory", EARLY),
+    ("train-drafter save_dtype=fp8 out_dir={tmp}/t4", "save_dtype='fp8' is not one of", EARLY),
     # a sweep: each job's config is checked too
     ("generate -m model=tiny prompt_ids=[1] max_new_tokens=2 cache.capacity=0,4", "cache.capacity", EARLY),
     # flags, commands and the argparse commands
@@ -246,7 +253,7 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str, float]:
 
 def _argv(line: str, run_dir: Path, folder: Path) -> list[str]:
     argv = shlex.split(line.replace("{tmp}", str(folder)))
-    if argv[0] in ("generate", "bench", "demo", "record", "replay", "calibrate"):
+    if argv[0] in ("generate", "bench", "demo", "record", "replay", "calibrate", "train-target", "train-drafter"):
         key = "hydra.sweep.dir" if "-m" in argv else "hydra.run.dir"
         argv.append(f"{key}={run_dir}")
     return argv

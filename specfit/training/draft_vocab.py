@@ -16,6 +16,8 @@ from typing import Iterable
 
 import numpy as np
 
+from specfit.errors import ConfigError
+
 
 @dataclass
 class DraftVocab:
@@ -44,7 +46,7 @@ def token_counts(tokens: np.ndarray, vocab_size: int) -> np.ndarray:
     """Occurrences of each target id in ``tokens`` (ids outside the vocabulary are an error)."""
     tokens = np.asarray(tokens)
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
-        raise ValueError(f"token ids outside the target vocabulary [0, {vocab_size}) in the training data")
+        raise ConfigError(f"token ids outside the target vocabulary [0, {vocab_size}) in the training data")
     return np.bincount(tokens.astype(np.int64, copy=False), minlength=vocab_size).astype(np.int64)
 
 
@@ -60,13 +62,13 @@ def build_draft_vocab(counts: np.ndarray, draft_vocab_size: int,
     """
     vocab = len(counts)
     if draft_vocab_size < 1:
-        raise ValueError(f"draft_vocab_size={draft_vocab_size} must be >= 1")
+        raise ConfigError(f"draft_vocab_size={draft_vocab_size} must be >= 1")
     if draft_vocab_size >= vocab:
         ids = np.arange(vocab, dtype=np.int64)
     else:
         forced = sorted({int(i) for i in always_include if 0 <= int(i) < vocab})
         if len(forced) > draft_vocab_size:
-            raise ValueError(f"draft_vocab_size={draft_vocab_size} cannot hold the {len(forced)} special tokens")
+            raise ConfigError(f"draft_vocab_size={draft_vocab_size} cannot hold the {len(forced)} special tokens")
         order = np.lexsort((np.arange(vocab), -counts))  # most frequent first, then lower id
         order = order[~np.isin(order, forced)][: draft_vocab_size - len(forced)]
         ids = np.sort(np.concatenate([np.asarray(forced, dtype=np.int64), order.astype(np.int64)]))

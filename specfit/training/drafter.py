@@ -42,6 +42,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from specfit.errors import ConfigError
+
 from specfit.training.common import JsonlLog, check_trainer_config, progress_bar, warmup_cosine_lr, write_json
 from specfit.training.draft_vocab import DraftVocab, build_draft_vocab, token_counts
 
@@ -318,7 +320,7 @@ def _npy_documents(path: str) -> list[np.ndarray]:
         return [arr.astype(np.int64)]
     if arr.ndim == 2:
         return [row.astype(np.int64) for row in arr]
-    raise ValueError(f"{path}: token arrays must be 1-D (one document) or 2-D (one per row), got {arr.ndim}-D")
+    raise ConfigError(f"{path}: token arrays must be 1-D (one document) or 2-D (one per row), got {arr.ndim}-D")
 
 
 def _text_files(paths: Sequence[str]) -> list[str]:
@@ -338,7 +340,7 @@ def load_train_tokens(cfg: TrainDrafterConfig, tokenizer: Any | None, vocab_size
     text = _text_files(cfg.train_files)
     if cfg.include_builtin_data or text:
         if tokenizer is None:
-            raise ValueError(f"text training data needs a tokenizer; none at {cfg.tokenizer_dir or cfg.target_dir}")
+            raise ConfigError(f"text training data needs a tokenizer; none at {cfg.tokenizer_dir or cfg.target_dir}")
         tcfg = TrainTargetConfig(tokenizer_dir=cfg.tokenizer_dir or cfg.target_dir, data_dir=cfg.data_dir,
                                  include_builtin_data=cfg.include_builtin_data, train_files=text,
                                  gsm_per_template=cfg.gsm_per_template, gsm_seed=cfg.gsm_seed)
@@ -351,10 +353,10 @@ def load_train_tokens(cfg: TrainDrafterConfig, tokenizer: Any | None, vocab_size
             arrays += docs
             kinds += ["tokens"] * len(docs)
     if not arrays:
-        raise ValueError("no training data: include_builtin_data is off and train_files is empty")
+        raise ConfigError("no training data: include_builtin_data is off and train_files is empty")
     tokens = np.concatenate(arrays)
     if int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
-        raise ValueError(f"training token ids outside the target vocabulary [0, {vocab_size})")
+        raise ConfigError(f"training token ids outside the target vocabulary [0, {vocab_size})")
     offsets = np.concatenate([[0], np.cumsum([len(a) for a in arrays])]).astype(np.int64)
     return TokenData(tokens.astype(np.int32), offsets, kinds)
 
@@ -380,7 +382,7 @@ def load_eval_windows(cfg: TrainDrafterConfig, tokenizer: Any | None) -> np.ndar
         stream = np.concatenate(docs)
         n = len(stream) // cfg.seq_len
         if n == 0:
-            raise ValueError(f"eval_files hold {len(stream)} tokens, fewer than one window of {cfg.seq_len}")
+            raise ConfigError(f"eval_files hold {len(stream)} tokens, fewer than one window of {cfg.seq_len}")
         windows = stream[: n * cfg.seq_len].reshape(n, cfg.seq_len)
         pick = np.unique(np.linspace(0, n - 1, min(n, cfg.eval_windows)).round().astype(int))
         rows.append(windows[pick])
@@ -405,7 +407,7 @@ def load_frozen_target(target_dir: str, dtype: str = "float32", device: str = "c
     from transformers import AutoModelForCausalLM
 
     if dtype not in DTYPES:
-        raise ValueError(f"target_dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+        raise ConfigError(f"target_dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=getattr(torch, dtype))
     if experts_implementation and hasattr(model, "set_experts_implementation"):
         try:
@@ -441,9 +443,9 @@ def _resolve_layers(model: Any, aux_layers: Sequence[int] | None) -> list[int]:
     n = model.config.num_hidden_layers
     layers = list(aux_layers) if aux_layers else default_aux_layers(n)
     if len(layers) != 3:
-        raise ValueError(f"aux_layers={layers}: an EAGLE-3 head fuses exactly three target layers")
+        raise ConfigError(f"aux_layers={layers}: an EAGLE-3 head fuses exactly three target layers")
     if min(layers) < 1 or max(layers) > n:
-        raise ValueError(f"aux_layers={layers}: HF hidden_states indices must be in [1, {n}] for a {n}-layer target")
+        raise ConfigError(f"aux_layers={layers}: HF hidden_states indices must be in [1, {n}] for a {n}-layer target")
     return layers
 
 
@@ -468,7 +470,7 @@ def _check_resume(saved: dict[str, Any], cfg: TrainDrafterConfig) -> None:
     bad = [f"{k}: checkpoint {saved.get(k)!r} != now {getattr(cfg, k)!r}"
            for k in RESUME_FIELDS if saved.get(k) != getattr(cfg, k)]
     if bad:
-        raise ValueError("cannot resume: the checkpoint was made with different settings (" + "; ".join(bad) + ")")
+        raise ConfigError("cannot resume: the checkpoint was made with different settings (" + "; ".join(bad) + ")")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -531,9 +533,16 @@ def train_drafter(cfg: TrainDrafterConfig) -> Path:
 
     cfg = cfg.resolved()
     if cfg.ttt_steps < 1:
-        raise ValueError(f"ttt_steps={cfg.ttt_steps} must be >= 1")
+        raise ConfigError(f"ttt_steps={cfg.ttt_steps} must be >= 1")
     if cfg.save_dtype not in DTYPES:
-        raise ValueError(f"save_dtype={cfg.save_dtype!r} is not one of {', '.join(DTYPES)}")
+        raise ConfigError(f"save_dtype={cfg.save_dtype!r} is not one of {', '.join(DTYPES)}")
+    from specfit.core.loading import check_source, load_tokenizer
+
+    check_source(cfg.target_dir, "target_dir")  # before anything is written: a typo creates no out_dir
+    if cfg.tokenizer_dir:
+        check_source(cfg.tokenizer_dir, "tokenizer_dir")
+    if cfg.init_from and not Path(cfg.init_from).expanduser().is_dir():
+        raise ConfigError(f"init_from={cfg.init_from}: no such directory (name a head saved by train-drafter)")
     _set_threads(cfg.threads)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -548,12 +557,11 @@ def train_drafter(cfg: TrainDrafterConfig) -> Path:
         log.path.unlink()  # a fresh run starts a fresh log
     write_json(out / "train_config.json", asdict(cfg))
 
-    from specfit.core.loading import load_tokenizer
-
     model = load_frozen_target(cfg.target_dir, cfg.target_dtype, cfg.device, cfg.experts_implementation)
     vocab_size = int(model.config.vocab_size)
     needs_text = cfg.include_builtin_data or bool(_text_files(cfg.train_files + cfg.eval_files))
-    tokenizer = load_tokenizer(cfg.tokenizer_dir or cfg.target_dir) if needs_text else None
+    tokenizer_key = "tokenizer_dir" if cfg.tokenizer_dir else "target_dir"
+    tokenizer = load_tokenizer(cfg.tokenizer_dir or cfg.target_dir, tokenizer_key) if needs_text else None
     data = load_train_tokens(cfg, tokenizer, vocab_size)
     sampler = WindowSampler(data, cfg.seq_len, cfg.batch_size, cfg.seed)
     heldout = load_eval_windows(cfg, tokenizer)
@@ -674,7 +682,7 @@ def _init_from(head: Any, path: str) -> None:
     bad = sorted(k for k in own if k in saved and own[k].shape != saved[k].shape)
     missing = sorted(k for k in own if k not in saved and not k.startswith("rotary."))
     if bad or missing:
-        raise ValueError(f"init_from={path}: the head does not match this run's shape "
+        raise ConfigError(f"init_from={path}: the head does not match this run's shape "
                          f"(wrong shape: {bad[:4]}, missing: {missing[:4]}); use the same aux_layers, "
                          "draft_vocab_size and head sizes")
     with torch.no_grad():

@@ -28,6 +28,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from specfit.errors import ConfigError
+
 from specfit.training.common import (
     JsonlLog, check_trainer_config, load_state, progress_bar, read_text_files, rng_state, set_rng_state, truncate_log, warmup_cosine_lr,
     write_json,
@@ -214,7 +216,7 @@ def prepare_train_data(cfg: TrainTargetConfig, tokenizer: Any, cache_dir: Path) 
         arrays += a
         kinds += k
     if not arrays:
-        raise ValueError("no training data: include_builtin_data is off and train_files is empty")
+        raise ConfigError("no training data: include_builtin_data is off and train_files is empty")
     data = _pack(arrays, kinds, len(tokenizer))
     cache_dir.mkdir(parents=True, exist_ok=True)
     np.save(cache_dir / "train_tokens.npy", data.tokens)
@@ -244,7 +246,7 @@ class WindowSampler:
         self.data, self.seq_len, self.batch_size, self.seed = data, seq_len, batch_size, seed
         self.windows_per_epoch = len(data.tokens) // seq_len
         if self.windows_per_epoch < batch_size:
-            raise ValueError(f"training data ({len(data.tokens)} tokens) is smaller than one batch "
+            raise ConfigError(f"training data ({len(data.tokens)} tokens) is smaller than one batch "
                              f"({batch_size} x {seq_len})")
         self._epoch = -1
         self._stream: np.ndarray | None = None
@@ -379,7 +381,7 @@ def _check_resume_config(saved: dict[str, Any], cfg: TrainTargetConfig) -> None:
     bad = [f"{k}: checkpoint {saved.get(k)!r} != now {getattr(cfg, k)!r}"
            for k in MODEL_FIELDS + STREAM_FIELDS if saved.get(k) != getattr(cfg, k)]
     if bad:
-        raise ValueError("cannot resume: the checkpoint was made with different settings ("
+        raise ConfigError("cannot resume: the checkpoint was made with different settings ("
                          + "; ".join(bad) + ")")
 
 
@@ -568,8 +570,6 @@ def init_from_saved(model: Any, path: str) -> None:
     transformers loads it, so the saved layout (per-expert or fused tensors) does not matter."""
     import torch
     from transformers import Qwen3MoeForCausalLM
-
-    from specfit.errors import ConfigError
 
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"init_from={path}: no config.json there; name a directory written by train-target "
