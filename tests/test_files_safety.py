@@ -56,10 +56,12 @@ def test_a_pickle_payload_in_state_pt_is_refused_and_does_not_run(tmp_path):
 
 @pytest.mark.parametrize("trainer", ["target", "drafter"])
 def test_trainers_resume_refuses_a_crafted_state_pt(tmp_path, trainer):
-    """The trainers load state.pt before anything else; a payload there is refused, not run."""
+    """The trainers load state.pt before any model or data (after checking that the paths they were
+    given exist); a payload there is refused, not run."""
     marker = tmp_path / "ran.txt"
     out = tmp_path / "out"
     (out / "checkpoint").mkdir(parents=True)
+    (tmp_path / "target").mkdir()  # exists: the drafter's path check passes, state.pt is read next
     torch.save({"model": {}, "optimizer": {}, "step": 1, "config": {}, "rng": _Payload(marker)},
                out / "checkpoint" / "state.pt")
     if trainer == "target":
