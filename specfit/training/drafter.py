@@ -43,7 +43,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from specfit.errors import ConfigError
-
 from specfit.training.common import JsonlLog, check_trainer_config, progress_bar, warmup_cosine_lr, write_json
 from specfit.training.draft_vocab import DraftVocab, build_draft_vocab, token_counts
 

@@ -29,7 +29,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from specfit.errors import ConfigError
-
 from specfit.training.common import (
     JsonlLog, check_trainer_config, load_state, progress_bar, read_text_files, rng_state, set_rng_state, truncate_log, warmup_cosine_lr,
     write_json,
