@@ -87,7 +87,7 @@ def write_atomic(path: str | Path, data: str | bytes | Callable[[IO[bytes]], Non
         # mkstemp makes the file private (0600); the result gets the mode a plain open() would give
         # it (the umask's), or keeps the one it had
         if hasattr(os, "fchmod"):
-            os.fchmod(fd, path.stat().st_mode & 0o7777 if path.is_file() else 0o666 & ~_UMASK)
+            os.fchmod(fd, path.stat().st_mode & 0o777 if path.is_file() else 0o666 & ~_UMASK)
         with os.fdopen(fd, "wb") as f:
             if callable(data):
                 data(f)

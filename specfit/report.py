@@ -66,18 +66,22 @@ def acceptance_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         source = r.get("method") or r.get("command", "run")
         estimator = r.get("acceptance_estimator", "?")
         out.append({**r, "label": estimator if source == "fit-acceptance" else f"{source} ({estimator})"})
-    if len({_scored_on(r) for r in out}) > 1:  # several traces: the same estimator's rows must be told apart
-        for r in out:
-            r["label"] += f" on {_scored_on(r)}"
+    places = [_scored_on(r) for r in out]
+    if len(set(places)) > 1:  # several traces: the same estimator's rows must be told apart
+        short = [[Path(p).name for p in place] for place in places]
+        named = short if len({tuple(s) for s in short}) == len(set(places)) else places  # names clash: paths
+        for r, where in zip(out, named):
+            r["label"] += f" on {', '.join(where)}"
     return out
 
 
-def _scored_on(row: dict[str, Any]) -> str:
-    """The outcomes a row's scores were measured on: the replayed trace, or fit-acceptance's held-out part."""
-    where = row.get("held_out") if row.get("command") == "fit-acceptance" else row.get("trace")
-    if isinstance(where, list):
-        return ", ".join(Path(str(w)).name for w in where)
-    return Path(str(where)).name if row.get("command") != "fit-acceptance" else str(where)
+def _scored_on(row: dict[str, Any]) -> tuple[str, ...]:
+    """The traces whose outcomes a row's scores were measured on: the replayed trace, or
+    fit-acceptance's held-out traces (its own trace when it held out a part of it)."""
+    held = row.get("held_out") if row.get("command") == "fit-acceptance" else None
+    if isinstance(held, list) and held:
+        return tuple(str(w) for w in held)
+    return (str(row.get("trace")),)
 
 
 def acceptance_table(rows: Sequence[dict[str, Any]]) -> str:

@@ -259,6 +259,16 @@ def _argv(line: str, run_dir: Path, folder: Path) -> list[str]:
     return argv
 
 
+def test_a_trainer_with_a_mistyped_path_writes_nothing(tmp_path, capsys):
+    """The paths are checked before out_dir is created (and before an earlier run's log is dropped)."""
+    for trainer, key in (("train-drafter", "target_dir"), ("train-target", "tokenizer_dir")):
+        out = tmp_path / trainer
+        code, _, err, _ = run_cli([trainer, f"{key}=/nope/x", f"out_dir={out}", f"hydra.run.dir={tmp_path / 'run'}"],
+                                  capsys)
+        assert code == 2 and f"{key}=/nope/x: no such directory" in err, err
+        assert not out.exists()
+
+
 def test_the_table_is_large_and_mostly_early():
     assert len(CASES) >= 100
     assert len({c[0] for c in CASES}) == len(CASES), "duplicate lines"

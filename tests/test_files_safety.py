@@ -61,7 +61,8 @@ def test_trainers_resume_refuses_a_crafted_state_pt(tmp_path, trainer):
     marker = tmp_path / "ran.txt"
     out = tmp_path / "out"
     (out / "checkpoint").mkdir(parents=True)
-    (tmp_path / "target").mkdir()  # exists: the drafter's path check passes, state.pt is read next
+    (tmp_path / "target").mkdir()  # exist: the trainers' path checks pass, state.pt is read next
+    (tmp_path / "tok").mkdir()
     torch.save({"model": {}, "optimizer": {}, "step": 1, "config": {}, "rng": _Payload(marker)},
                out / "checkpoint" / "state.pt")
     if trainer == "target":

@@ -59,6 +59,9 @@ def test_estimator_rows_of_several_traces_say_which_trace():
     assert [r["label"] for r in acceptance_rows([row("/t/prose-1")])] == ["specfit (path_prob)"]
     assert [r["label"] for r in acceptance_rows([row("/t/prose-1"), row("/t/gsm-1")])] == \
         ["specfit (path_prob) on prose-1", "specfit (path_prob) on gsm-1"]
+    # `specfit record` names every trace `trace` in its run directory: then the paths tell them apart
+    assert [r["label"] for r in acceptance_rows([row("/out/a/trace"), row("/out/b/trace")])] == \
+        ["specfit (path_prob) on /out/a/trace", "specfit (path_prob) on /out/b/trace"]
 
 
 def test_sweep_axes_are_what_differs_within_a_method():

@@ -109,7 +109,8 @@ def _hub_id(path: str) -> bool:
     return not (Path(path).expanduser().exists() or path.startswith((".", "/", "~")) or path.count("/") != 1)
 
 
-def check_hub_id(path: str, key: str = "model.path", hint: str = "") -> None:
+def check_hub_id(path: str, key: str = "model.path", hint: str = "",
+                 files: tuple[str, ...] = ("config.json",)) -> None:
     """A hub id must be in the local hub cache or the hub reachable; otherwise say so at once
     (offline, the hub client retries for half a minute, then transformers blames config.json)."""
     owner = path.split("/", 1)[0]
@@ -117,20 +118,20 @@ def check_hub_id(path: str, key: str = "model.path", hint: str = "") -> None:
         raise ModelError(f"{key}={path}: no such directory (nothing named {path.split('/', 1)[1]!r} in {owner}/){hint}")
     from huggingface_hub import try_to_load_from_cache
 
-    if isinstance(try_to_load_from_cache(path, "config.json"), str) or hub_reachable():
+    if any(isinstance(try_to_load_from_cache(path, f), str) for f in files) or hub_reachable():
         return
     raise ModelError(f"{key}={path}: no such local directory, and as a Hugging Face hub id it is not in the "
                      f"local hub cache and the hub cannot be reached from here (offline); give a local checkpoint{hint}")
 
 
-def check_source(path: str, key: str, hint: str = "") -> None:
+def check_source(path: str, key: str, hint: str = "", files: tuple[str, ...] = ("config.json",)) -> None:
     """``key=path`` names a local directory, or a hub id that can be had; else one line naming ``key``
     (before transformers' words about repo ids, which name neither the setting nor the path's problem)."""
     if Path(path).expanduser().is_dir():
         return
     if not _hub_id(path):
         raise ModelError(f"{key}={path}: no such directory{hint}")
-    check_hub_id(path, key, hint)
+    check_hub_id(path, key, hint, files)
 
 
 @functools.cache
@@ -501,8 +502,8 @@ def load_tokenizer(path: str | Path, key: str = "model.path", required: bool = F
     ``hint``, how to make one). The one tokenizer loader: the engine's and the trainers'."""
     path = str(path)
     local = Path(path).expanduser()
-    if required and not local.exists():
-        check_source(path, key, hint)
+    if required and not local.exists():  # a tokenizer-only repo may have no config.json cached
+        check_source(path, key, hint, files=("tokenizer_config.json", "tokenizer.json", "config.json"))
     if local.is_dir() and not any(
         (local / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     ):

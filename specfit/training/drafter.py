@@ -407,7 +407,7 @@ def load_frozen_target(target_dir: str, dtype: str = "float32", device: str = "c
 
     if dtype not in DTYPES:
         raise ConfigError(f"target_dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(str(Path(target_dir).expanduser()), dtype=getattr(torch, dtype))
     if experts_implementation and hasattr(model, "set_experts_implementation"):
         try:
             model.set_experts_implementation(experts_implementation)

@@ -434,6 +434,14 @@ def train_target(cfg: TrainTargetConfig) -> Path:
     """
     import torch
 
+    from specfit.core.loading import check_source
+
+    # before anything is written: a mistyped path creates no out_dir and deletes no earlier log
+    check_source(cfg.tokenizer_dir, "tokenizer_dir", TOKENIZER_HINT,
+                 files=("tokenizer_config.json", "tokenizer.json", "config.json"))
+    if cfg.init_from and not (Path(cfg.init_from).expanduser() / "config.json").is_file():
+        raise ConfigError(f"init_from={cfg.init_from}: no config.json there; name a directory written by "
+                          "train-target (or specfit/assets/demo/target)")
     _set_threads(cfg.threads)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
