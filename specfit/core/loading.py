@@ -124,6 +124,10 @@ def check_hub_id(path: str, key: str = "model.path", hint: str = "",
                      f"local hub cache and the hub cannot be reached from here (offline); give a local checkpoint{hint}")
 
 
+#: Any of these in the hub cache shows a tokenizer repo is there (a tokenizer-only repo has no config.json).
+TOKENIZER_HUB_FILES = ("tokenizer_config.json", "tokenizer.json", "config.json")
+
+
 def check_source(path: str, key: str, hint: str = "", files: tuple[str, ...] = ("config.json",)) -> None:
     """``key=path`` names a local directory, or a hub id that can be had; else one line naming ``key``
     (before transformers' words about repo ids, which name neither the setting nor the path's problem)."""
@@ -503,7 +507,7 @@ def load_tokenizer(path: str | Path, key: str = "model.path", required: bool = F
     path = str(path)
     local = Path(path).expanduser()
     if required and not local.exists():  # a tokenizer-only repo may have no config.json cached
-        check_source(path, key, hint, files=("tokenizer_config.json", "tokenizer.json", "config.json"))
+        check_source(path, key, hint, files=TOKENIZER_HUB_FILES)
     if local.is_dir() and not any(
         (local / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     ):

@@ -434,14 +434,12 @@ def train_target(cfg: TrainTargetConfig) -> Path:
     """
     import torch
 
-    from specfit.core.loading import check_source
+    from specfit.core.loading import TOKENIZER_HUB_FILES, check_source
 
     # before anything is written: a mistyped path creates no out_dir and deletes no earlier log
-    check_source(cfg.tokenizer_dir, "tokenizer_dir", TOKENIZER_HINT,
-                 files=("tokenizer_config.json", "tokenizer.json", "config.json"))
-    if cfg.init_from and not (Path(cfg.init_from).expanduser() / "config.json").is_file():
-        raise ConfigError(f"init_from={cfg.init_from}: no config.json there; name a directory written by "
-                          "train-target (or specfit/assets/demo/target)")
+    check_source(cfg.tokenizer_dir, "tokenizer_dir", TOKENIZER_HINT, files=TOKENIZER_HUB_FILES)
+    if cfg.init_from:
+        _check_saved_target(cfg.init_from)
     _set_threads(cfg.threads)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -571,6 +569,13 @@ def train_target(cfg: TrainTargetConfig) -> Path:
     return out
 
 
+def _check_saved_target(path: str) -> None:
+    """``init_from`` must be a directory written by train-target (it holds config.json)."""
+    if not (Path(path).expanduser() / "config.json").is_file():
+        raise ConfigError(f"init_from={path}: no config.json there; name a directory written by train-target "
+                          "(or specfit/assets/demo/target)")
+
+
 def init_from_saved(model: Any, path: str) -> None:
     """Start ``model`` from the target saved at ``path`` (same shape; any saved dtype is cast).
 
@@ -578,10 +583,8 @@ def init_from_saved(model: Any, path: str) -> None:
     import torch
     from transformers import Qwen3MoeForCausalLM
 
-    if not (Path(path) / "config.json").is_file():
-        raise ConfigError(f"init_from={path}: no config.json there; name a directory written by train-target "
-                          "(or specfit/assets/demo/target)")
-    loaded, info = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    _check_saved_target(path)
+    loaded, info = Qwen3MoeForCausalLM.from_pretrained(str(Path(path).expanduser()), dtype=torch.float32, output_loading_info=True)
     saved = loaded.state_dict()
     own = model.state_dict()
     bad = sorted(k for k in own if k in saved and own[k].shape != saved[k].shape)
