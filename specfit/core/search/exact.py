@@ -172,6 +172,14 @@ def _waited(x, ly, w, extra, total):
 
 
 @njit(cache=True)
+def _charge(x, ly, w, res, arr, extra, n_hit, n_miss, waited):
+    """(n_hit, n_miss, waited) with the items of bitset word x added: resident ones as hits, the
+    rest as misses, and the waits of those still arriving (every caller counts items this way)."""
+    return (n_hit + _popcount(x & res[ly, w]), n_miss + _popcount(x & ~res[ly, w]),
+            _waited(x & arr[ly, w], ly, w, extra, waited))
+
+
+@njit(cache=True)
 def _evaluate(mask, accept, own, root, res, arr, extra, c0, c_tok, c_miss, c_hit, draft):
     """(N, T, |S|) of a node set: the same formula and summation order for T as
     problem.evaluate, so the two agree to the last bit on T."""
@@ -191,9 +199,7 @@ def _evaluate(mask, accept, own, root, res, arr, extra, c0, c_tok, c_miss, c_hit
             for v in range(mask.shape[0]):
                 if mask[v]:
                     u |= own[v, ly, w]
-            n_hit += _popcount(u & res[ly, w])
-            n_miss += _popcount(u & ~res[ly, w])
-            waited = _waited(u & arr[ly, w], ly, w, extra, waited)
+            n_hit, n_miss, waited = _charge(u, ly, w, res, arr, extra, n_hit, n_miss, waited)
     t = c0 + c_tok * (size + 1) + c_miss * n_miss + c_hit * n_hit + waited + draft
     return 1.0 + n_exp, t, size
 
@@ -255,9 +261,7 @@ def _prune(lam, node_ok, parents, accept, new, res, arr, extra, c_tok, c_miss, c
                 for w in range(n_words):
                     private = new[v, ly, w] & ~twice[ly, w]
                     if private:
-                        n_hit += _popcount(private & res[ly, w])
-                        n_miss += _popcount(private & ~res[ly, w])
-                        waited = _waited(private & arr[ly, w], ly, w, extra, waited)
+                        n_hit, n_miss, waited = _charge(private, ly, w, res, arr, extra, n_hit, n_miss, waited)
             profit[v] = accept[v] - lam * (c_tok + (c_miss * n_miss + c_hit * n_hit + waited))
             bound[v] = profit[v]
         for v in range(n - 1, -1, -1):  # bound[v]: best closed part of v's subtree, v included
@@ -482,9 +486,7 @@ def _greedy(alive, parents, accept, own, root, res, arr, extra, c_tok, c_miss, c
                 for w in range(n_words):
                     add = own[v, ly, w] & ~cov[ly, w]
                     if add:
-                        n_hit += _popcount(add & res[ly, w])
-                        n_miss += _popcount(add & ~res[ly, w])
-                        waited = _waited(add & arr[ly, w], ly, w, extra, waited)
+                        n_hit, n_miss, waited = _charge(add, ly, w, res, arr, extra, n_hit, n_miss, waited)
             dt = c_tok + c_miss * n_miss + c_hit * n_hit + waited
             if accept[v] > best_ratio * dt:  # improves rho, and beats the best so far
                 best_ratio = accept[v] / dt if dt > 0.0 else np.inf
