@@ -196,6 +196,11 @@ def _check_args(
     return src, dst
 
 
+def _nbytes(store: torch.Tensor, src: torch.Tensor) -> int:
+    """Bytes moved by copying the rows ``src`` of ``store``."""
+    return src.numel() * store.shape[1] * store.element_size()
+
+
 def _ids_to_device(src: torch.Tensor, dst: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Both id vectors on ``device``, moved in one small asynchronous H2D copy.
 
@@ -214,7 +219,8 @@ def _ids_to_device(src: torch.Tensor, dst: torch.Tensor, device: torch.device) -
 
 class _StreamedCopy:
     """Runs an engine's enqueue function on a dedicated copy stream (CUDA) or inline (CPU); an engine
-    supplies ``_prepare`` (its checks and its data movement), this class the copy and issue around it."""
+    supplies ``_prepare`` (its own checks and its data movement, given checked, non-empty ids), this
+    class the argument checks and the copy and issue around it."""
 
     def __init__(self, device: torch.device | str | None, timing: Timing, order_after_compute: bool) -> None:
         if timing not in ("wall", "events", "none"):
@@ -243,16 +249,19 @@ class _StreamedCopy:
     def copy(
         self, store: torch.Tensor, src_ids: torch.Tensor, slots: torch.Tensor, dst_slots: torch.Tensor
     ) -> CopyRecord:
-        n, nbytes, enqueue = self._prepare(store, src_ids, slots, dst_slots)  # the engine's own data movement
-        return CopyRecord(n, nbytes, self._run(slots, enqueue) if n else 0.0)
+        src, dst = _check_args(store, src_ids, slots, dst_slots)
+        if not src.numel():
+            return CopyRecord(0, 0, 0.0)
+        enqueue = self._prepare(store, src, slots, dst)  # the engine's own data movement
+        return CopyRecord(src.numel(), _nbytes(store, src), self._run(slots, enqueue))
 
     def issue(
         self, store: torch.Tensor, src_ids: torch.Tensor, slots: torch.Tensor, dst_slots: torch.Tensor
     ) -> CopyTicket:
-        n, nbytes, enqueue = self._prepare(store, src_ids, slots, dst_slots)
-        if n == 0:
+        src, dst = _check_args(store, src_ids, slots, dst_slots)
+        if not src.numel():
             return CopyTicket(0, 0, 0.0, time.perf_counter())
-        return self._issue(slots, enqueue, n, nbytes)
+        return self._issue(slots, self._prepare(store, src, slots, dst), src.numel(), _nbytes(store, src))
 
     def _run(self, slots: torch.Tensor, enqueue: Callable[..., None]) -> float:
         """Run ``enqueue`` synchronously (a copy is its issue and its wait); its seconds as timed."""
@@ -371,13 +380,8 @@ class TorchCopyEngine(_StreamedCopy):
     ) -> None:
         super().__init__(device, timing, order_after_compute)
 
-    def _prepare(self, store: torch.Tensor, src_ids: Any, slots: torch.Tensor,
-                 dst_slots: Any) -> tuple[int, int, Callable[..., None]]:
-        src, dst = _check_args(store, src_ids, slots, dst_slots)
-        n = src.numel()
-        if n == 0:
-            return 0, 0, lambda: None
-
+    def _prepare(self, store: torch.Tensor, src: torch.Tensor, slots: torch.Tensor,
+                 dst: torch.Tensor) -> Callable[..., None]:
         if store.device == slots.device and slots.is_cuda:
             def enqueue(mark: Callable[[], None] | None = None) -> None:  # one gather: no per-expert marks
                 s, d = _ids_to_device(src, dst, slots.device)
@@ -391,7 +395,7 @@ class TorchCopyEngine(_StreamedCopy):
                     if mark is not None:  # on CUDA: this expert's own event
                         mark()
 
-        return n, n * store.shape[1] * store.element_size(), enqueue
+        return enqueue
 
     def describe(self) -> dict:
         return {"name": self.name, "emulated": self.emulated, **self._settings()}
@@ -517,12 +521,8 @@ class TritonCopyEngine(_StreamedCopy):
                 f"the Triton copy engine needs the triton package ({exc}); install triton or use cache.copy=torch"
             ) from exc
 
-    def _prepare(self, store: torch.Tensor, src_ids: Any, slots: torch.Tensor,
-                 dst_slots: Any) -> tuple[int, int, Callable[..., None]]:
-        src, dst = _check_args(store, src_ids, slots, dst_slots)
-        n = src.numel()
-        if n == 0:
-            return 0, 0, lambda: None
+    def _prepare(self, store: torch.Tensor, src: torch.Tensor, slots: torch.Tensor,
+                 dst: torch.Tensor) -> Callable[..., None]:
         if store.stride(1) != 1 or slots.stride(1) != 1:
             raise ValueError("TritonCopyEngine needs rows contiguous in memory (stride(1) == 1)")
         if slots.is_cuda:
@@ -547,7 +547,7 @@ class TritonCopyEngine(_StreamedCopy):
         if row_words >= 2**31:
             raise ValueError(f"expert rows of {row_words} words exceed the kernel's 32-bit offsets")
         block = max(1, self.block_bytes // w)
-        grid = (n, min(_cdiv(row_words, block), _MAX_GRID_Y))
+        grid = (src.numel(), min(_cdiv(row_words, block), _MAX_GRID_Y))
         kernel, num_warps = self._kernel, self.num_warps
 
         def enqueue(mark: Callable[[], None] | None = None) -> None:  # one launch: no per-expert marks
@@ -561,7 +561,7 @@ class TritonCopyEngine(_StreamedCopy):
                 BLOCK=block, num_warps=num_warps,
             )
 
-        return n, n * store.shape[1] * store.element_size(), enqueue
+        return enqueue
 
     def describe(self) -> dict:
         return {
