@@ -285,7 +285,8 @@ class _StreamedCopy:
         if not slots.is_cuda:
             enqueue()
             t1 = time.perf_counter()
-            return CopyTicket(experts, nbytes, t1 - t0, t1, waited=False)
+            # landed already: not in flight, so a wrong prefetch pick is evictable before any wait
+            return CopyTicket(experts, nbytes, t1 - t0, t1, _remaining=_no_wait)
         dev = slots.device
         with torch.cuda.device(dev):
             compute = torch.cuda.current_stream(dev)

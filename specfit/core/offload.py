@@ -160,6 +160,9 @@ class OffloadRuntime:
             setattr(parent, attr, OffloadedExperts(self, layer, getattr(module, "act_fn", None)))
         experts.clear()  # the replaced modules: their weights are in the store, or were never loaded
         self.slot_expert = np.full((spec.num_layers, self.slots_per_layer), -1, dtype=np.int64)
+        # the expert whose copy into each slot was issued (or preloaded): where it differs from
+        # slot_expert, an admission was recorded but an exception came before its copy (see _repair)
+        self._issued_expert = self.slot_expert.copy()
         self.stats = CacheStats(union_sum=np.zeros(spec.num_layers))
         self._routing: list[torch.Tensor | None] = [None] * spec.num_layers
         # copies not yet waited on: {slot: ticket} per layer (the slot's row of its batch's ticket)
@@ -228,25 +231,32 @@ class OffloadRuntime:
         listeners, uncomputed = self._listeners, len(needed)
         # a prefetch meanwhile must not evict any of them: rounds admit ahead of computing
         self._computing = (layer, np.asarray(needed, dtype=np.int64))
-        for rnd in admission_rounds(self.policy, self.slot_expert, layer, needed):
-            experts = np.fromiter(rnd.slots, np.int64, len(rnd.slots))
-            if rnd.fresh:
-                self._issue(layer, rnd.fresh)
-            if rnd.ahead:  # the next round's copies, on the link while this round computes
-                self._issue(layer, rnd.ahead)
-            uncomputed -= len(rnd.slots)
-            if listeners and uncomputed <= 0:  # the last round: every copy of this layer is on the link
-                for listener in listeners:
-                    listener(layer, hidden)
-                listeners = ()
-            stats.misses += len(rnd.loads)
-            stats.hits += len(rnd.slots) - len(rnd.loads)
-            self._wait_for(layer, rnd.slots)
-            slot_of[experts] = np.fromiter(rnd.slots.values(), np.int64, len(experts))
-            plan = self.compute.plan(slot_of[routed], self.slots_per_layer, hidden.device)
-            slot_of[experts] = -1
-            self.compute.run(self._views[layer], hidden, weights, k, plan, spec.layout, act_fn, out)
-        self._computing = (-1, _NONE)
+        try:
+            for rnd in admission_rounds(self.policy, self.slot_expert, layer, needed):
+                experts = np.fromiter(rnd.slots, np.int64, len(rnd.slots))
+                if rnd.fresh:
+                    self._issue(layer, rnd.fresh)
+                if rnd.ahead:  # the next round's copies, on the link while this round computes
+                    self._issue(layer, rnd.ahead)
+                uncomputed -= len(rnd.slots)
+                if listeners and uncomputed <= 0:  # the last round: every copy of this layer is on the link
+                    for listener in listeners:
+                        listener(layer, hidden)
+                    listeners = ()
+                stats.misses += len(rnd.loads)
+                stats.hits += len(rnd.slots) - len(rnd.loads)
+                self._wait_for(layer, rnd.slots)
+                slot_of[experts] = np.fromiter(rnd.slots.values(), np.int64, len(experts))
+                try:
+                    plan = self.compute.plan(slot_of[routed], self.slots_per_layer, hidden.device)
+                finally:
+                    slot_of[experts] = -1
+                self.compute.run(self._views[layer], hidden, weights, k, plan, spec.layout, act_fn, out)
+        except BaseException:  # an error or Ctrl-C mid-layer: no slot may keep a recorded but uncopied expert
+            self._repair(layer)
+            raise
+        finally:
+            self._computing = (-1, _NONE)
         # float32 sum over each token's top-k, in a fixed order, then one rounding to the hidden dtype
         return out.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
 
@@ -277,7 +287,11 @@ class OffloadRuntime:
             return 0
         for expert, slot in loads:
             self.slot_expert[layer, slot] = expert
-        self._issue(layer, loads, prefetch=True)
+        try:
+            self._issue(layer, loads, prefetch=True)
+        except BaseException:
+            self._repair(layer)
+            raise
         self.stats.prefetch_issued += len(loads)
         return len(loads)
 
@@ -341,6 +355,7 @@ class OffloadRuntime:
                 prefetched[slot] = expert
         ids = torch.from_numpy(np.array(loads, dtype=np.int64).T.copy())  # [2, n]: experts, slots
         ticket = self.copy_engine.issue(host, ids[0], self.slots[layer], ids[1])
+        self._issued_expert[layer, ids[1].numpy()] = ids[0].numpy()
         for row, (_, slot) in enumerate(loads):
             pending[slot] = ticket.row(row)  # same copy stream / FIFO link: it lands after any earlier copy
         if not count:
@@ -367,6 +382,27 @@ class OffloadRuntime:
                 if ticket.seconds != measured:  # CUDA: the measured copy time replaces the enqueue time
                     self.stats.h2d_seconds += ticket.seconds - measured
                     self.stats.link_busy_seconds += ticket.seconds - measured
+
+    def _repair(self, layer: int) -> None:
+        """After an exception mid-layer or mid-prefetch: copy, synchronously, every expert of
+        ``layer`` that ``slot_expert`` (and so the policy) records but whose copy was never issued
+        (a round's held-back loads, a batch cut inside the engine), so that a later pass on this
+        runtime never computes on a slot holding other weights. On CUDA the device is synchronised
+        first: an earlier copy into the same slot may still be in flight."""
+        row, issued = self.slot_expert[layer], self._issued_expert[layer]
+        stale = np.flatnonzero(row != issued).tolist()
+        if not stale:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        host = self.store.layers[layer]
+        for slot in stale:
+            self._pending[layer].pop(slot, None)
+            self._prefetched[layer].pop(slot, None)
+            expert = int(row[slot])
+            if expert >= 0 and host is not None:
+                self.slots[layer][slot].copy_(host[expert])
+            issued[slot] = expert
 
     def _copy(self, layer: int, loads: Sequence[tuple[int, int]]) -> None:
         """Copy (expert, slot) pairs of one layer now (the preload: counted as ``preload_bytes``, not
@@ -400,6 +436,7 @@ class OffloadRuntime:
             self.stats.preload_bytes += len(loads) * spec.expert_bytes
             for e, slot in loads:
                 self.slot_expert[layer, slot] = e
+                self._issued_expert[layer, slot] = e
             if self.preloads_all:
                 self.store.release(layer)
         if self.preloads_all and self.store.pinned and hasattr(torch._C, "_host_emptyCache"):

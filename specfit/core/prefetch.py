@@ -197,8 +197,9 @@ class LiveSink(PrefetchSink):
         charge = getattr(engine, "charge_seconds", None)
         if charge is not None:
             return float(charge(1, self.spec.expert_bytes))
-        stats = self.runtime.stats  # a real link: what its copies took so far
-        return stats.h2d_seconds / stats.misses if stats.misses else 0.0
+        stats = self.runtime.stats  # a real link: what its copies (demand and prefetch) took so far
+        copied = stats.h2d_bytes / self.spec.expert_bytes if self.spec.expert_bytes else 0.0
+        return stats.h2d_seconds / copied if copied else 0.0
 
     def layer_seconds(self, tokens: int) -> float:
         constants = _constants(self.cost_model)

@@ -90,7 +90,7 @@ def test_each_expert_of_a_transfer_lands_on_its_own_and_is_waited_for_alone():
     with pytest.raises(IndexError):
         whole.row(3)
     cpu = TorchCopyEngine("cpu").issue(store, ids(4), slots, ids(3))
-    assert cpu.row(0) is cpu and cpu.in_flight()  # no timing: in flight until waited, as before
+    assert cpu.row(0) is cpu and not cpu.in_flight()  # a CPU copy has landed when issue returns
     cpu.wait()
     assert not cpu.in_flight()
 

@@ -128,13 +128,15 @@ class Evicting(LRUCache):
 ])
 def test_a_policy_breaking_the_prefetch_contract_is_refused_and_copies_nothing(answer, message):
     cache = Evicting(capacity=3)
-    engine = Engine(tiny_model(), cache=cache, device="cpu")
+    engine = Engine(tiny_model(), cache=cache, copy="emulated", link=LinkSettings(latency_us=1.0), device="cpu")
     engine.generate(PROMPT, max_new_tokens=1)
     runtime = engine.runtime
     layer = 1
     resident = [int(e) for e in runtime.slot_expert[layer]]
     absent = [e for e in range(runtime.spec.num_experts) if e not in resident and e != 1]
-    # make one expert "in flight": a real prefetch through LRU's own admission
+    # make one expert "in flight": a real prefetch through LRU's own admission, on a link so slow
+    # that it is still travelling when the broken admissions below are asked
+    runtime.copy_engine.latency_us = 60e6
     cache.answer = lambda layer, c, p, self: LRUCache.admit_prefetch(self, layer, c[:1], p)
     assert runtime.prefetch(layer, absent[:1]) == 1
     if 1 in runtime.slot_expert[layer]:
