@@ -10,8 +10,8 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from specfit.core.calibration import (
-    FIT_VERSION, calibration_path, check_calibration_destination, load_constants, run_calibration, save_constants,
-    setup_differences, stored_fit_version,
+    FIT_VERSION, POOR_FIT, calibration_path, check_calibration_destination, load_constants, run_calibration,
+    save_constants, setup_differences, stored_fit_version, stored_poor_fit,
 )
 from specfit.core.acceptance_estimators import attach_acceptance
 from specfit.core.copy_engines import LinkSettings
@@ -138,22 +138,26 @@ def _attach_calibration(engine: Engine, prompts: Sequence[Any] | None) -> None:
     path = calibration_path(engine)
     if path.is_file():
         version = stored_fit_version(path)
-        if version is None or version >= FIT_VERSION:  # a broken file: load_constants names it
+        poor = stored_poor_fit(path)
+        if (version is None or version >= FIT_VERSION) and poor is None:  # a broken file: load_constants names it
             model.set_constants(load_constants(path))
             return
-        print(f"specfit: the stored calibration {path} was fitted by an older specfit "
-              f"(fit version {version} < {FIT_VERSION}); measuring it again", file=sys.stderr)
+        why = (f"was fitted by an older specfit (fit version {version} < {FIT_VERSION})" if poor is None else
+               f"predicts its cycle times poorly (held-out median error {poor:.0%}: the host was busy)")
+        print(f"specfit: the stored calibration {path} {why}; measuring it again", file=sys.stderr)
     print(f"specfit: calibrating the cost model for this setup (stored in {path})", file=sys.stderr)
-    constants, _ = calibrate(engine, prompts, path=path)
+    constants, _ = calibrate(engine, prompts, path=path, store_poor=False)
     model.set_constants(constants)
 
 
 def calibrate(engine: Engine, prompts: Sequence[Any] | None = None, max_new_tokens: int = 48,
-              path: Path | None = None, seed: int = 0) -> tuple[Any, dict[str, Any]]:
+              path: Path | None = None, seed: int = 0, store_poor: bool = True) -> tuple[Any, dict[str, Any]]:
     """Measure the cost constants of ``engine``'s setup on ``prompts`` and store them.
 
     Without prompts, a few seeded random token sequences are used: the constants are about time
-    per token, per expert hit and per miss, not about the text."""
+    per token, per expert hit and per miss, not about the text. ``store_poor=False``: constants
+    that predict the held-out cycles poorly (a busy host) are returned, with a note, but not
+    stored, so the next run measures again (the report then has no ``path``)."""
     path = check_calibration_destination(path or calibration_path(engine))  # before measuring
     if not prompts:
         rng = np.random.default_rng(seed)
@@ -161,5 +165,12 @@ def calibrate(engine: Engine, prompts: Sequence[Any] | None = None, max_new_toke
         prompts = [rng.integers(0, vocab, size=24).tolist() for _ in range(4)]
     constants, report = run_calibration(engine, prompts, max_new_tokens, seed)
     constants.source = str(path)
+    if not store_poor and report["cycle_time_ape_median"] > POOR_FIT:
+        note_once(f"this calibration predicts its held-out cycle times poorly (median error "
+                  f"{report['cycle_time_ape_median']:.0%}): the host was probably busy. Its constants serve this "
+                  f"run only and are not stored; `specfit calibrate` on a quiet host stores them")
+        return constants, report
+    if report["cycle_time_ape_median"] > POOR_FIT:
+        report["kept_despite_error"] = True  # asked for (specfit calibrate): automatic runs keep it too
     report["path"] = str(save_constants(path, constants, engine, report))
     return constants, report

@@ -7,6 +7,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from specfit.api import build, calibrate
+from specfit.core.calibration import POOR_FIT
 from specfit.commands.generate import prompts_of
 from specfit.errors import ConfigError
 from specfit.files import check_results_file, check_writable
@@ -32,6 +33,10 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
           f"c_level={c.c_level * 1e3:.3f}ms c_draft0={c.c_draft0 * 1e3:.3f}ms  ({report['cycles_fit']} cycles)")
     print(f"held-out cycle-time error: median {100 * report['cycle_time_ape_median']:.1f}%, "
           f"p90 {100 * report['cycle_time_ape_p90']:.1f}% ({report['cycles_held_out']} cycles)")
+    if report["cycle_time_ape_median"] > POOR_FIT:
+        print(f"warning: a median error above {POOR_FIT:.0%} means the host was busy while measuring (its slow "
+              "cycles are left out of the fit, but not all of them could be): measure again on a quiet host; "
+              "automatic calibrations measure a stored file like this one again")
     print(f"stored: {report['path']}")
     append_jsonl(results, [{"command": "calibrate", **c.to_json(), **report}])
     return report

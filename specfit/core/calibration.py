@@ -7,7 +7,9 @@ seconds, drafting and selection seconds, total seconds. The model (docs/method.m
 
 Fitted in parts so each constant is identified: H2D seconds per missed expert (c_copy) from the
 copies, compute ``total - D - h2d = c0 + c_tok (n + 1) + c_hit (hits + misses)`` by non-negative
-least squares, then ``c_miss = c_hit + c_copy``; ``D = c_draft0 + c_level * levels``.
+least squares, then ``c_miss = c_hit + c_copy``; ``D = c_draft0 + c_level * levels``. Both fits
+leave out cycles that something else on the host slowed (:func:`robust_nnls`), and a calibration
+that still predicts its held-out cycles poorly (:data:`POOR_FIT`) is not stored.
 
 Under prefetch (issue 14) copies overlap drafting and compute, so the H2D seconds a cycle issued
 are not what it waited. There the fit uses the overlap it observes: the seconds compute actually
@@ -80,6 +82,41 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
+#: A calibration whose held-out median cycle-time error is above this is not trusted: an automatic
+#: one serves its run only and is not stored, a stored one is measured again (a busy host, not the
+#: setup, made its cycles slow; the fit's usual error on the demo pair is 15-30%).
+POOR_FIT = 0.5
+
+
+def robust_nnls(x: np.ndarray, y: np.ndarray, rounds: int = 3, z: float = 4.0,
+                max_drop: float = 0.25) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`nnls` that leaves out samples slowed by something other than the setup: (coef, kept).
+
+    Another process, a page-cache flush or a descheduled thread only ever adds time, so a few
+    cycles of a calibration can take 10-100x their prediction; least squares then moves every
+    constant towards them (measured: one calibration under load stored c0 137 ms for 8 ms passes).
+    Each round refits without the samples whose time exceeds the fit by more than ``z`` robust
+    standard deviations (median absolute deviation of the relative excess) and by at least half
+    the prediction, leaving out at most ``max_drop`` of them, the slowest first."""
+    keep = np.ones(len(y), dtype=bool)
+    coef = nnls(x, y)
+    floor = 0.1 * float(np.median(np.abs(y))) or 1e-12  # tiny predictions (no drafting) are not relative
+    for _ in range(rounds):
+        excess = (y - x @ coef) / np.maximum(x @ coef, floor)
+        centre = float(np.median(excess[keep]))
+        spread = 1.4826 * float(np.median(np.abs(excess[keep] - centre)))
+        slow = excess > max(centre + z * spread, 0.5)
+        most = int(max_drop * len(y))
+        if slow.sum() > most:
+            slow = np.zeros(len(y), dtype=bool)
+            slow[np.argsort(-excess)[:most]] = True
+        if np.array_equal(~slow, keep):
+            break
+        keep = ~slow
+        coef = nnls(x[keep], y[keep])
+    return coef, keep
+
+
 def visible_copy_seconds(record: CycleRecord, overlap: bool = False) -> float:
     """The copy seconds a cycle's misses are charged for (c_copy): its H2D seconds, or, when its
     copies were pipelined by prefetch (``overlap``, or the record says so), the time compute
@@ -114,15 +151,15 @@ def fit_constants(records: Sequence[CycleRecord], fallback_copy_seconds: float |
     draft = np.array([r.draft_seconds + r.select_seconds for r in records])
     total = np.array([r.total_seconds for r in records])
     compute = total - draft - waited
-    c0, c_tok, c_hit = nnls(np.stack([np.ones_like(n), n + 1, used], axis=1), compute)
-    if misses.sum() > 0:
-        c_copy = float(h2d.sum() / misses.sum())
+    (c0, c_tok, c_hit), kept = robust_nnls(np.stack([np.ones_like(n), n + 1, used], axis=1), compute)
+    if misses[kept].sum() > 0:  # a cycle slowed by the host waited longer for its copies too
+        c_copy = float(h2d[kept].sum() / misses[kept].sum())
     elif fallback_copy_seconds is not None:
         c_copy = fallback_copy_seconds
     else:
         c_copy = 0.0
     levels = np.array([r.levels for r in records], dtype=float)
-    c_draft0, c_level = nnls(np.stack([np.ones_like(levels), levels], axis=1), draft)
+    (c_draft0, c_level), _ = robust_nnls(np.stack([np.ones_like(levels), levels], axis=1), draft)
     return CostConstants(c0=float(c0), c_tok=float(c_tok), c_miss=float(c_hit + c_copy), c_hit=float(c_hit),
                          c_level=float(c_level), c_draft0=float(c_draft0), samples=len(records))
 
@@ -190,6 +227,22 @@ def stored_fit_version(path: Path) -> int | None:
         return None
     version = data.get("fit_version", 1) if isinstance(data, dict) else None
     return version if isinstance(version, int) and not isinstance(version, bool) else None
+
+
+def stored_poor_fit(path: Path) -> float | None:
+    """The held-out median cycle-time error a stored calibration reports, when above
+    :data:`POOR_FIT` (a host busy while it measured); None when it is trusted, was kept on purpose
+    (``specfit calibrate`` stores what it measures) or does not say."""
+    try:
+        report = json.loads(Path(path).read_text())["report"]
+        error = report["cycle_time_ape_median"]
+        if report.get("kept_despite_error"):
+            return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if isinstance(error, bool) or not isinstance(error, (int, float)) or not math.isfinite(error):
+        return None
+    return float(error) if error > POOR_FIT else None
 
 
 def setup_differences(path: str | Path, engine: Any) -> list[str]:

@@ -172,6 +172,67 @@ def test_a_calibration_fitted_by_an_older_specfit_is_measured_again(tmp_path, mo
         specfit.build(specfit.compose(overrides))
 
 
+def test_a_few_cycles_slowed_by_a_busy_host_do_not_move_the_constants():
+    """Another process or a descheduled thread only adds time: 3 cycles of 40 taking a second more
+    (as measured under load) are left out, and the rest fit exactly; plain least squares would
+    have put them into c0 and c_draft0."""
+    from specfit.core.stats import CycleRecord
+
+    rng = np.random.default_rng(1)
+    truth = CostConstants(c0=3e-3, c_tok=2e-4, c_miss=7e-4, c_hit=1e-4, c_level=4e-4, c_draft0=1e-3)
+    records = []
+    for i in range(40):
+        n, misses, hits, levels = (int(v) for v in rng.integers(0, 30, size=4))
+        draft = truth.c_draft0 + truth.c_level * levels + (0.4 if i in (5, 17) else 0.0)
+        h2d = misses * (truth.c_miss - truth.c_hit)
+        total = truth.cycle_seconds(n, misses, hits, draft) + (1.0 if i in (9, 17, 30) else 0.0)
+        records.append(CycleRecord(drafted=n, levels=levels, verified=n, accepted=0, committed=1, draft_seconds=draft,
+                                   select_seconds=0.0, verify_seconds=total - draft, h2d_seconds=h2d, total_seconds=total,
+                                   misses=misses, hits=hits, union=[]))
+    fitted = fit_constants(records)
+    for key in ("c0", "c_tok", "c_miss", "c_hit", "c_level", "c_draft0"):
+        assert getattr(fitted, key) == pytest.approx(getattr(truth, key), rel=1e-6, abs=1e-12), key
+    compute = np.array([r.total_seconds - r.draft_seconds - r.h2d_seconds for r in records])
+    x = np.array([[1.0, r.verified + 1, r.hits + r.misses] for r in records])
+    plain = nnls(x, compute)  # what the slow cycles do to a plain fit: constants off by far more than 50%
+    assert np.max(np.abs(plain / [truth.c0, truth.c_tok, truth.c_hit] - 1)) > 0.5
+
+
+def test_a_calibration_that_predicts_poorly_is_not_stored_and_a_stored_one_is_measured_again(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """A held-out median error above POOR_FIT (a busy host) is not trusted: an automatic calibration
+    serves its run only, a stored one is measured again; `specfit calibrate`'s is kept as asked."""
+    from specfit.core import calibration
+
+    monkeypatch.setenv("SPECFIT_HOME", str(tmp_path))
+    overrides = ["model=tiny", "drafter=eagle3", "drafter.top_k=3", "drafter.depth=2", "drafter.total_tokens=6",
+                 "selector=specfit", "cost_model=union", "predictor=history", "cache.capacity=4", "max_new_tokens=8"]
+    measure = calibration.run_calibration
+
+    def busy(*args, **kwargs):
+        constants, report = measure(*args, **kwargs)
+        return constants, {**report, "cycle_time_ape_median": 2.9}
+
+    monkeypatch.setattr("specfit.api.run_calibration", busy)
+    engine = specfit.build(specfit.compose(overrides))
+    assert "predicts its held-out cycle times poorly (median error 290%)" in capsys.readouterr().err
+    assert engine.cost_model.calibrated and not list(tmp_path.glob("calibration/*.json"))
+    monkeypatch.setattr("specfit.api.run_calibration", measure)
+    specfit.build(specfit.compose(overrides))  # a quiet host: stored
+    (path,) = tmp_path.glob("calibration/*.json")
+    data = json.loads(path.read_text())
+    data["report"]["cycle_time_ape_median"] = 2.9  # as a calibration stored under load before this check
+    data["constants"]["c0"] = 0.137
+    path.write_text(json.dumps(data))
+    capsys.readouterr()
+    again = specfit.build(specfit.compose(overrides))
+    assert "predicts its cycle times poorly (held-out median error 290%" in capsys.readouterr().err
+    assert again.cost_model.constants.c0 != 0.137
+    data["report"]["kept_despite_error"] = True  # what `specfit calibrate` stores: used as it is
+    path.write_text(json.dumps(data))
+    assert specfit.build(specfit.compose(overrides)).cost_model.constants.c0 == 0.137
+
+
 def test_calibrate_command_prints_error_and_path(tmp_path, monkeypatch, capsys):
     from specfit.cli import main
 
