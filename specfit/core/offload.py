@@ -355,9 +355,9 @@ class OffloadRuntime:
                 prefetched[slot] = expert
         ids = torch.from_numpy(np.array(loads, dtype=np.int64).T.copy())  # [2, n]: experts, slots
         ticket = self.copy_engine.issue(host, ids[0], self.slots[layer], ids[1])
-        self._issued_expert[layer, ids[1].numpy()] = ids[0].numpy()
         for row, (_, slot) in enumerate(loads):
             pending[slot] = ticket.row(row)  # same copy stream / FIFO link: it lands after any earlier copy
+        self._issued_expert[layer, ids[1].numpy()] = ids[0].numpy()  # with its tickets: waited before use
         if not count:
             return ticket
         self.stats.h2d_bytes += ticket.bytes
