@@ -180,6 +180,22 @@ def _charge(x, ly, w, res, arr, extra, n_hit, n_miss, waited):
 
 
 @njit(cache=True)
+def _items_seconds(items, covered, res, arr, extra, c_miss, c_hit):
+    """Seconds of the items in ``items`` [layers, words] that ``covered`` does not hold: a node's
+    private items (pruning) or those it would add to a subtree (greedy)."""
+    n_layers, n_words = items.shape
+    n_miss = 0
+    n_hit = 0
+    waited = 0.0
+    for ly in range(n_layers):
+        for w in range(n_words):
+            x = items[ly, w] & ~covered[ly, w]
+            if x:
+                n_hit, n_miss, waited = _charge(x, ly, w, res, arr, extra, n_hit, n_miss, waited)
+    return c_miss * n_miss + c_hit * n_hit + waited
+
+
+@njit(cache=True)
 def _evaluate(mask, accept, own, root, res, arr, extra, c0, c_tok, c_miss, c_hit, draft):
     """(N, T, |S|) of a node set: the same formula and summation order for T as
     problem.evaluate, so the two agree to the last bit on T."""
@@ -254,15 +270,8 @@ def _prune(lam, node_ok, parents, accept, new, res, arr, extra, c_tok, c_miss, c
         for v in range(n):
             if not node_ok[v]:
                 continue
-            n_miss = 0
-            n_hit = 0
-            waited = 0.0
-            for ly in range(n_layers):
-                for w in range(n_words):
-                    private = new[v, ly, w] & ~twice[ly, w]
-                    if private:
-                        n_hit, n_miss, waited = _charge(private, ly, w, res, arr, extra, n_hit, n_miss, waited)
-            profit[v] = accept[v] - lam * (c_tok + (c_miss * n_miss + c_hit * n_hit + waited))
+            private = _items_seconds(new[v], twice, res, arr, extra, c_miss, c_hit)  # not shared with another node
+            profit[v] = accept[v] - lam * (c_tok + private)
             bound[v] = profit[v]
         for v in range(n - 1, -1, -1):  # bound[v]: best closed part of v's subtree, v included
             p = parents[v]
@@ -479,15 +488,7 @@ def _greedy(alive, parents, accept, own, root, res, arr, extra, c_tok, c_miss, c
             p = parents[v]
             if mask[v] or not alive[v] or (p >= 0 and not mask[p]):
                 continue
-            n_miss = 0
-            n_hit = 0
-            waited = 0.0
-            for ly in range(n_layers):
-                for w in range(n_words):
-                    add = own[v, ly, w] & ~cov[ly, w]
-                    if add:
-                        n_hit, n_miss, waited = _charge(add, ly, w, res, arr, extra, n_hit, n_miss, waited)
-            dt = c_tok + c_miss * n_miss + c_hit * n_hit + waited
+            dt = c_tok + _items_seconds(own[v], cov, res, arr, extra, c_miss, c_hit)
             if accept[v] > best_ratio * dt:  # improves rho, and beats the best so far
                 best_ratio = accept[v] / dt if dt > 0.0 else np.inf
                 best_v = v
