@@ -34,6 +34,7 @@ commands:
   train-tokenizer / train-target / train-drafter
              train a BPE tokenizer, a Qwen3-MoE target, an EAGLE-3 head (for any supported MoE target)
   eval-target  held-out perplexity against a unigram baseline, and repetition in greedy output
+             (out=FILE; default: evaluation.json in the run directory):  specfit eval-target model_dir=DIR
   fit-acceptance  fit the learned acceptance model on a trace, score every estimator on held-out ones:
              specfit fit-acceptance trace.path=DIR held_out=[DIR2]
 

@@ -62,6 +62,7 @@ def test_trainers_resume_refuses_a_crafted_state_pt(tmp_path, trainer):
     out = tmp_path / "out"
     (out / "checkpoint").mkdir(parents=True)
     (tmp_path / "target").mkdir()  # exist: the trainers' path checks pass, state.pt is read next
+    (tmp_path / "target" / "config.json").write_text("{}")  # a saved model's mark (train-drafter checks it)
     (tmp_path / "tok").mkdir()
     torch.save({"model": {}, "optimizer": {}, "step": 1, "config": {}, "rng": _Payload(marker)},
                out / "checkpoint" / "state.pt")

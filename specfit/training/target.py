@@ -113,6 +113,18 @@ class TrainTargetConfig:
 
     def __post_init__(self) -> None:
         check_trainer_config(self)
+        _check_model_shape(self)
+
+
+def _check_model_shape(cfg: TrainTargetConfig) -> None:
+    """Shape constraints of the Qwen3-MoE config, one line naming the key (else a tensor error mid-training)."""
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ConfigError(f"num_attention_heads={cfg.num_attention_heads} must be a multiple of "
+                          f"num_key_value_heads={cfg.num_key_value_heads} (grouped-query attention)")
+    if cfg.head_dim % 2:
+        raise ConfigError(f"head_dim={cfg.head_dim} must be even (rotary embeddings rotate pairs of dimensions)")
+    if cfg.seq_len > cfg.max_position_embeddings:
+        raise ConfigError(f"seq_len={cfg.seq_len} exceeds max_position_embeddings={cfg.max_position_embeddings}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -435,8 +447,10 @@ def train_target(cfg: TrainTargetConfig) -> Path:
     import torch
 
     from specfit.core.loading import TOKENIZER_HUB_FILES, check_source
+    from specfit.validation import device_arg
 
     # before anything is written: a mistyped path creates no out_dir and deletes no earlier log
+    device_arg(cfg.device, key="device")
     check_source(cfg.tokenizer_dir, "tokenizer_dir", TOKENIZER_HINT, files=TOKENIZER_HUB_FILES)
     if cfg.init_from:
         _check_saved_target(cfg.init_from)
@@ -569,11 +583,12 @@ def train_target(cfg: TrainTargetConfig) -> Path:
     return out
 
 
-def _check_saved_target(path: str) -> None:
-    """``init_from`` must be a directory written by train-target (it holds config.json)."""
+def _check_saved_target(path: str, key: str = "init_from") -> None:
+    """``key`` (``init_from``, train-drafter's ``target_dir``, eval-target's ``model_dir``) must be a
+    directory written by train-target (it holds config.json)."""
     if not (Path(path).expanduser() / "config.json").is_file():
-        raise ConfigError(f"init_from={path}: no config.json there; name a directory written by train-target "
-                          "(or specfit/assets/demo/target)")
+        raise ConfigError(f"{key}={path}: no config.json there, so no saved model; name a directory written by "
+                          "train-target (or specfit/assets/demo/target)")
 
 
 def init_from_saved(model: Any, path: str) -> None:
@@ -683,6 +698,7 @@ def evaluate_target(model_dir: str | os.PathLike[str], data_dir: str | os.PathLi
     import torch
     from transformers import AutoModelForCausalLM
 
+    _check_eval_model(str(model_dir), seq_len)
     _set_threads(threads)
     model_dir = Path(model_dir)
     tokenizer = load_tokenizer(model_dir, "model_dir", required=True)
@@ -725,6 +741,20 @@ def evaluate_target(model_dir: str | os.PathLike[str], data_dir: str | os.PathLi
     return result
 
 
+def _check_eval_model(model_dir: str, seq_len: int) -> None:
+    """``model_dir`` is a saved model whose context holds ``seq_len`` tokens (before minutes of work)."""
+    from specfit.core.loading import check_source
+    from specfit.files import read_json_object
+
+    check_source(model_dir, "model_dir")
+    _check_saved_target(model_dir, "model_dir")
+    config = read_json_object(Path(model_dir).expanduser() / "config.json", f"model_dir={model_dir}: config.json")
+    context = config.get("max_position_embeddings")
+    if isinstance(context, int) and not isinstance(context, bool) and seq_len > context:
+        raise ConfigError(f"seq_len={seq_len} exceeds the model's context: max_position_embeddings={context} "
+                          f"in {model_dir}/config.json")
+
+
 def config_from_dict(d: dict[str, Any]) -> TrainTargetConfig:
     """A :class:`TrainTargetConfig` from a dict (e.g. ``train_config.json``), ignoring unknown keys."""
     names = {f.name for f in fields(TrainTargetConfig)}
@@ -743,14 +773,34 @@ class EvalTargetConfig:
     n_prompts: int = 10
     gen_tokens: int = 128
     threads: int = 2
-    out: str | None = None  # JSON with every figure and the generated samples (default: beside the model)
+    # JSON with every figure and the generated samples; default: evaluation.json in the run's output
+    # directory (Hydra's run dir, outputs/<date>/<time>/; the current directory outside the CLI), never
+    # the model directory, which may be the installed package's specfit/assets/demo/target
+    out: str | None = None
 
     def __post_init__(self) -> None:
         check_trainer_config(self)
+        if self.n_prompts < 1:
+            raise ConfigError(f"n_prompts={self.n_prompts} must be >= 1 (the repetition figure needs samples)")
+        if self.gen_tokens < 4:
+            raise ConfigError(f"gen_tokens={self.gen_tokens} must be >= 4 (a repeated 4-gram needs 4 tokens)")
+
+
+def _default_eval_out() -> Path:
+    """``evaluation.json`` in Hydra's run directory (where the CLI's other commands write), else here."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir) / "evaluation.json"
+    return Path("evaluation.json")
 
 
 def eval_target(cfg: EvalTargetConfig) -> Path:
-    """Run :func:`evaluate_target`, print the figures the issue's bar is about, store them all."""
+    """Run :func:`evaluate_target`, print the figures the issue's bar is about, store them all in
+    ``cfg.out`` (default: ``evaluation.json`` in the run's output directory, see :class:`EvalTargetConfig`)."""
+    from specfit.files import check_writable
+
+    out = check_writable(cfg.out, "out") if cfg.out else _default_eval_out()  # before the evaluation runs
     result = evaluate_target(cfg.model_dir, cfg.data_dir, seq_len=cfg.seq_len, max_windows=cfg.max_windows,
                              gsm_per_template=cfg.gsm_per_template, n_prompts=cfg.n_prompts,
                              gen_tokens=cfg.gen_tokens, threads=cfg.threads)
@@ -760,6 +810,5 @@ def eval_target(cfg: EvalTargetConfig) -> Path:
     print(f"held-out: perplexity {result['heldout_ppl']:.1f}, unigram {result['unigram_ppl']:.1f}, ratio "
           f"{result['ppl_ratio']:.3f}; repeated 4-grams in {cfg.gen_tokens} greedy tokens: mean "
           f"{result['repeat4_mean']:.3f}, max {result['repeat4_max']:.3f}; meets the bar: {result['meets_bar']}")
-    out = Path(cfg.out) if cfg.out else Path(cfg.model_dir) / "evaluation.json"
     write_json(out, result)
     return out

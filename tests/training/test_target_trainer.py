@@ -197,3 +197,19 @@ def test_init_from_refuses_a_deeper_saved_target(tmp_path):
     init_from_saved(same, str(tmp_path / "deep"))  # the same shape loads
     with pytest.raises(ConfigError, match="init_from=.*does not match.*extra: \\['model.layers.2"):
         init_from_saved(model(2), str(tmp_path / "deep"))
+
+
+def test_eval_target_writes_into_the_run_directory_by_default(tmp_path, monkeypatch, capsys):
+    """Never into model_dir: for the shipped demo model that is the installed package's assets."""
+    import specfit.training.target as target
+    from specfit.cli import main
+
+    model_dir = Path(target.__file__).resolve().parents[1] / "assets" / "demo" / "target"
+    before = sorted(p.name for p in model_dir.iterdir())
+    figures = {f"{k}_ppl": 2.0 for k in ("prose", "gsm", "unigram_prose", "unigram_gsm", "heldout", "unigram")}
+    monkeypatch.setattr(target, "evaluate_target", lambda *a, **k: {
+        **figures, "ppl_ratio": 1.0, "repeat4_mean": 0.0, "repeat4_max": 0.0, "samples": [], "meets_bar": False})
+    main(["eval-target", f"model_dir={model_dir}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert f"wrote {tmp_path / 'run' / 'evaluation.json'}" in capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "evaluation.json").read_text())["ppl_ratio"] == 1.0
+    assert sorted(p.name for p in model_dir.iterdir()) == before
