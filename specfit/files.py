@@ -65,8 +65,22 @@ def check_results_file(path: str | Path, key: str = "results_file") -> Path:
     ``results_file=`` naming someone's notes) is refused before anything runs, never truncated."""
     path = check_writable(path, key)
     if path.is_file() and path.stat().st_size:
-        read_jsonl(path, key)
+        for n, row in enumerate(read_jsonl(path, key), 1):
+            if not is_results_row(row):  # e.g. a JSON-lines workload ({"prompt": ...} per line)
+                raise ConfigError(f"{key}={path}: row {n} is not a specfit results row (no "
+                                  f"{' or '.join(map(repr, RESULTS_ROW_KEYS))} key); specfit appends only to "
+                                  f"its own results files: name a new file or a results.jsonl")
     return path
+
+
+#: Every row specfit writes to a results file has ``command`` (the command that wrote it); decoding
+#: runs have ``output_throughput`` too (the only mark of rows written before ``command`` was added).
+RESULTS_ROW_KEYS = ("command", "output_throughput")
+
+
+def is_results_row(row: dict[str, Any]) -> bool:
+    """Whether a JSON-lines row looks like one specfit wrote to a results file."""
+    return any(k in row for k in RESULTS_ROW_KEYS)
 
 
 def _current_umask() -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from specfit.errors import ConfigError
-from specfit.files import check_writable, read_jsonl, write_atomic
+from specfit.files import RESULTS_ROW_KEYS, check_writable, is_results_row, read_jsonl, write_atomic
 from specfit.results import comparison_table, mean_stats, paired_fields
 
 SWEEP_KEYS_IGNORED = {"prompt", "prompt_ids", "workload", "methods", "method_presets", "workloads", "results_file",
@@ -39,8 +39,12 @@ def read_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
 
 
 def read_all_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
-    """Every row of the results at ``paths`` (files, or directories searched for results.jsonl)."""
+    """Every row of the results at ``paths`` (files, or directories searched for results.jsonl).
+
+    Each file is read once, however many of ``paths`` reach it (a run directory and its results.jsonl);
+    a file named explicitly must hold specfit results rows."""
     rows: list[dict[str, Any]] = []
+    seen: set[Path] = set()
     for path in map(Path, paths):
         files = sorted(path.rglob("results.jsonl")) if path.is_dir() else [path]
         if not files or not all(f.is_file() for f in files):
@@ -50,7 +54,14 @@ def read_all_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
                                   f"--out DIR, not {key}=...)")
             raise ConfigError(f"report: no results found at {path}")
         for f in files:
+            if f.resolve() in seen:
+                continue
+            seen.add(f.resolve())
             file_rows = read_jsonl(f, key="report")  # a torn last line (an interrupted run) is skipped
+            if not path.is_dir() and not any(is_results_row(r) for r in file_rows):  # named, so meant as results
+                what = "it is empty" if not file_rows else f"no row has {' or '.join(map(repr, RESULTS_ROW_KEYS))}"
+                raise ConfigError(f"report: {f}: holds no specfit results rows ({what}); name results.jsonl files "
+                                  "or run directories")
             _check_runs(f, file_rows)
             rows += file_rows
     return rows

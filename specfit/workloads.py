@@ -92,6 +92,8 @@ def prompt_of_row(row: object, where: str) -> str | list[int]:
     """The prompt of one JSON line: a non-empty string, or a non-empty list of token ids (ints >= 0)."""
     if not isinstance(row, dict):
         raise ConfigError(f"{where}: a JSON {type(row).__name__}, not an object with a 'prompt' or 'prompt_ids' field")
+    if "prompt_ids" in row and "prompt" in row:  # as on the command line: which one was meant cannot be told
+        raise ConfigError(f"{where}: has both 'prompt' and 'prompt_ids'; give one of them")
     if "prompt_ids" in row:
         ids = row["prompt_ids"]
         if not isinstance(ids, list) or not ids:

@@ -103,6 +103,7 @@ CASES: list[tuple[str, str, str]] = [
     (f"{S} model.builtin=nope", "model.builtin", LATE),
     (f"{S} model.seed=abc", "model.seed", EARLY),
     (f"{S} model.path=/nope/model model.builtin=null", "model.path", LATE),
+    ("generate model=tiny model.tokenizer=/nope/tok prompt=Hi", "model.tokenizer=/nope/tok: no such directory", LATE),
     ("generate prompt_ids=[1]", "model.path", LATE),
     # config groups, and keys that do not exist (also added with + / ++), or are removed with ~
     (f"{S} selector=nope", "selector/nope", EARLY),
@@ -176,6 +177,8 @@ CASES: list[tuple[str, str, str]] = [
     ("bench model=tiny prompt_ids=[1] drafter.topk=3", "topk", EARLY),
     ("bench model=tiny methods=[ar] workloads=[gsm] workload=prose", "give workload=NAME or workloads=[...], not both",
      EARLY),
+    ("bench model=tiny methods=[ar] workloads=[gsm] workload.kind=prose workload.num_prompts=1",
+     "workload.kind=prose contradicts workloads=['gsm']", EARLY),
     ("""bench model=tiny prompt_ids=[1] methods=[ar,bad] '+method_presets.bad=["selector=nope"]'""",
      "method_presets.bad=['selector=nope']: does not compose", EARLY),
     ("""bench model=tiny prompt_ids=[1] methods=[ar,bad] '+method_presets.bad=["selector=nope"]' drafter.top_k=3""",
@@ -202,6 +205,26 @@ CASES: list[tuple[str, str, str]] = [
     ("train-drafter target_dir=specfit/assets/demo/target init_from=/nope/head out_dir={tmp}/t3",
      "init_from=/nope/head: no such directory", EARLY),
     ("train-drafter save_dtype=fp8 out_dir={tmp}/t4", "save_dtype='fp8' is not one of", EARLY),
+    ("train-target tokenizer_dir=specfit/assets/demo/target num_key_value_heads=4 out_dir={tmp}/t5",
+     "num_attention_heads=6 must be a multiple of num_key_value_heads=4", EARLY),
+    ("train-target tokenizer_dir=specfit/assets/demo/target seq_len=4096 out_dir={tmp}/t6",
+     "seq_len=4096 exceeds max_position_embeddings=2048", EARLY),
+    ("train-target tokenizer_dir=specfit/assets/demo/target device=gpu out_dir={tmp}/t7", "device='gpu'", EARLY),
+    ("train-drafter target_dir=specfit/assets/demo/target device=gpu out_dir={tmp}/t8", "device='gpu'", EARLY),
+    ("train-drafter target_dir={tmp} out_dir={tmp}/t9", "target_dir={tmp}: no config.json there", EARLY),
+    ("train-target tokenizer_dir={tmp}/utf8.txt out_dir={tmp}/t10", "tokenizer_dir={tmp}/utf8.txt: is a file", EARLY),
+    ("eval-target model_dir={tmp} out={tmp}/e1.json", "model_dir={tmp}: no config.json there", EARLY),
+    ("eval-target model_dir=specfit/assets/demo/target seq_len=4096 out={tmp}/e2.json",
+     "seq_len=4096 exceeds the model's context: max_position_embeddings=2048", EARLY),
+    ("eval-target model_dir=specfit/assets/demo/target n_prompts=0 out={tmp}/e3.json", "n_prompts=0", EARLY),
+    ("eval-target model_dir=specfit/assets/demo/target gen_tokens=2 out={tmp}/e4.json", "gen_tokens=2", EARLY),
+    ("fit-acceptance trace.path={tmp}/trace held_out=[{tmp}/trace/] out_dir={tmp}/fit",
+     "held_out: {tmp}/trace/ is the training trace", EARLY),
+    # a path that is a file, where a directory is wanted
+    (f"{EAGLE} drafter.path={{tmp}}/utf8.txt", "drafter.path={tmp}/utf8.txt: is a file, not a directory", EARLY),
+    ("replay trace.path={tmp}/utf8.txt", "trace.path={tmp}/utf8.txt: is a file, not a directory", EARLY),
+    ("generate model=tiny workload=prose workload.data_dir={tmp}/utf8.txt max_new_tokens=2",
+     "utf8.txt is a file, not a directory", EARLY),
     # a sweep: each job's config is checked too
     ("generate -m model=tiny prompt_ids=[1] max_new_tokens=2 cache.capacity=0,4", "cache.capacity", EARLY),
     # flags, commands and the argparse commands
@@ -253,7 +276,8 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str, float]:
 
 def _argv(line: str, run_dir: Path, folder: Path) -> list[str]:
     argv = shlex.split(line.replace("{tmp}", str(folder)))
-    if argv[0] in ("generate", "bench", "demo", "record", "replay", "calibrate", "train-target", "train-drafter"):
+    if argv[0] in ("generate", "bench", "demo", "record", "replay", "calibrate", "train-target", "train-drafter",
+                   "eval-target", "fit-acceptance"):
         key = "hydra.sweep.dir" if "-m" in argv else "hydra.run.dir"
         argv.append(f"{key}={run_dir}")
     return argv
@@ -267,6 +291,29 @@ def test_a_trainer_with_a_mistyped_path_writes_nothing(tmp_path, capsys):
                                   capsys)
         assert code == 2 and f"{key}=/nope/x: no such directory" in err, err
         assert not out.exists()
+
+
+def test_a_directory_without_a_saved_model_writes_nothing(tmp_path, capsys):
+    """A directory with tokenizer files but no config.json is no saved model: named before out_dir is made."""
+    folder = tmp_path / "tokenizer-only"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((Path("specfit/assets/demo/target") / name).read_bytes())
+    for command, key, out in (("train-drafter", "target_dir", "out_dir"), ("eval-target", "model_dir", "out")):
+        dest = tmp_path / command
+        code, _, err, _ = run_cli([command, f"{key}={folder}", f"{out}={dest}", f"hydra.run.dir={tmp_path / 'run'}"],
+                                  capsys)
+        assert code == 2 and f"{key}={folder}: no config.json there, so no saved model" in err, err
+        assert not dest.exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CUDA is available here")
+@pytest.mark.parametrize(("trainer", "key"), [("train-target", "tokenizer_dir"), ("train-drafter", "target_dir")])
+def test_a_trainer_on_cuda_without_cuda_is_one_line(trainer, key, tmp_path, capsys):
+    code, _, err, _ = run_cli([trainer, "device=cuda", f"{key}=specfit/assets/demo/target", f"out_dir={tmp_path / 'out'}",
+                               f"hydra.run.dir={tmp_path / 'run'}"], capsys)
+    assert code == 2 and "device='cuda': no CUDA device is available" in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_table_is_large_and_mostly_early():
@@ -285,7 +332,7 @@ def test_bad_line_is_one_clear_error(line, needle, stage, files, tmp_path, capsy
     assert code == 2, (code, err[-2000:])
     assert len(lines) == 1, err[-2000:]
     assert lines[0].startswith("specfit: error: "), lines[0]
-    assert needle in lines[0], lines[0]
+    assert needle.replace("{tmp}", str(files)) in lines[0], lines[0]
     assert "Traceback" not in err and "Traceback" not in out
     assert seconds < LIMIT_S
     assert (len(loads) > 0) == (stage == LATE), f"expected to fail {stage}: {len(loads)} model(s) loaded"

@@ -277,6 +277,8 @@ CASES: dict[str, Case] = {
     "workload_prompt_not_string": workload(b'{"prompt": ["a", "b"]}\n', "line 1: 'prompt' must be a non-empty string"),
     "workload_row_not_object": workload(b'"just a string"\n', "line 1: a JSON str, not an object"),
     "workload_empty_file": workload(b"\n\n", "workload.path={dir}: no prompts in the file"),
+    "workload_prompt_and_ids": workload(b'{"prompt": "ok"}\n{"prompt": "hi", "prompt_ids": [1, 2]}\n',
+                                        "workload.path={dir} line 2: has both 'prompt' and 'prompt_ids'"),
     # calibration files
     "calibration_bad_json": Case(calibration_case(b'{"constants": {"c0": 1,'), ConfigError,
                                  "cost_model.calibration={dir}: not valid JSON"),
@@ -301,6 +303,10 @@ CASES: dict[str, Case] = {
     "results_figure_not_number": Case(results_case(row(), row(total_seconds="slow")), ConfigError,
                                       "{dir} line 2: total_seconds=\"slow\" is not a number", command="report",
                                       api="report"),
+    "results_no_results_rows": Case(results_case(b'{"a": 1}'), ConfigError, "{dir}: holds no specfit results rows",
+                                    command="report", api="report"),
+    "results_empty_file": Case(results_case(), ConfigError, "{dir}: holds no specfit results rows (it is empty)",
+                               command="report", api="report"),
     "results_run_without_tokens": Case(results_case(row(), b'{"output_throughput": 1.0, "total_seconds": 1}'),
                                        ConfigError, "{dir} line 2: a run row without num_output_tokens",
                                        command="report", api="report"),
@@ -369,3 +375,17 @@ def test_bad_file_through_the_cli(name, good, tmp_path, capsys):
     assert "Traceback" not in captured.err + captured.out
     assert expected(case, args) in err
     assert elapsed < SECONDS
+
+
+def test_a_results_file_that_holds_a_workload_is_refused(tmp_path, capsys):
+    """results_file= naming a JSON-lines workload: appending result rows would corrupt it."""
+    workload = tmp_path / "prompts.jsonl"
+    workload.write_text('{"prompt": "hello"}\n{"prompt": "world"}\n')
+    before = workload.read_bytes()
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "model=tiny", PROMPT, "max_new_tokens=2", f"results_file={workload}",
+              f"hydra.run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and "\n" not in err, err
+    assert f"results_file={workload}: row 1 is not a specfit results row" in err
+    assert workload.read_bytes() == before

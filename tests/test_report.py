@@ -49,6 +49,19 @@ def test_report_points_a_hydra_style_out_dir_to_its_flag(tmp_path, capsys, monke
     assert "--out DIR, not out_dir=" in capsys.readouterr().err
 
 
+def test_a_results_file_reached_twice_is_read_once(tmp_path, monkeypatch):
+    """A run directory and its results.jsonl (or one path given twice) count each run once."""
+    from specfit.report import read_rows
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.jsonl").write_text('{"method": "ar", "output_throughput": 1.0, "num_output_tokens": 8, '
+                                       '"total_seconds": 8.0}\n')
+    monkeypatch.chdir(tmp_path)
+    assert len(read_rows([run, run / "results.jsonl", "run/results.jsonl", "run/../run/results.jsonl"])) == 1
+    assert "1 decoding runs" in write_report([run, run / "results.jsonl"], tmp_path / "r").read_text()
+
+
 def test_estimator_rows_of_several_traces_say_which_trace():
     from specfit.report import acceptance_rows
 

@@ -197,6 +197,19 @@ def _check_num_prompts_applies(cfg: DictConfig, overrides: list[str]) -> None:
         raise num_prompts_unused(cfg.workload.num_prompts, f"workloads={list(cfg.workloads)} (each takes all its prompts)")
 
 
+def _check_kind_fits_workloads(cfg: DictConfig, overrides: list[str]) -> None:
+    """``workload.kind`` beside ``workloads=[...]`` applies to every workload of the list: one whose own
+    kind differs would run another kind's prompts under its name (prose prompts labelled gsm)."""
+    kind = next((o.split("=", 1)[1] for o in overrides if override_key(o) == "workload.kind" and "=" in o), None)
+    if not cfg.workloads or kind is None:
+        return
+    for w in cfg.workloads:
+        own = compose([f"workload={w}"], config_name=_config_name()).workload.kind
+        if own != cfg.workload.kind:
+            raise ConfigError(f"workload.kind={kind} contradicts workloads={list(cfg.workloads)}: workload {w} is "
+                              f"kind {own}; drop workload.kind (each workload of the list has its own kind)")
+
+
 def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[str, Any]]:
     """Run every method on every prompt; each row is on disk as soon as its run completes.
 
@@ -215,6 +228,7 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
                           f"of them; add the other to that list)")
     check_overrides(cfg, overrides)
     _check_num_prompts_applies(cfg, overrides)
+    _check_kind_fits_workloads(cfg, overrides)
     results = check_results_file(output_dir / cfg.results_file)
     answers_dir = None if cfg.answers_dir is None else check_writable(output_dir / cfg.answers_dir, "answers_dir",
                                                                        directory=True)

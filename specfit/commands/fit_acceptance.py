@@ -45,6 +45,7 @@ class FitAcceptanceConfig:
 
 def fit_acceptance(cfg: FitAcceptanceConfig) -> Path:
     """Fit, score, write; returns the model file."""
+    from specfit.config_messages import note_once
     from specfit.files import append_jsonl_lines, check_results_file, check_writable, write_atomic
     from specfit.plugins.acceptance.calibrated import CalibratedAcceptance
     from specfit.plugins.acceptance.learned import LearnedAcceptance
@@ -53,9 +54,17 @@ def fit_acceptance(cfg: FitAcceptanceConfig) -> Path:
 
     out = check_writable(cfg.out_dir, "out_dir", directory=True)
     check_results_file(out / "results.jsonl", "out_dir")
+    for path in cfg.held_out:  # scoring on the trace the model was fitted on would flatter it
+        if Path(path).expanduser().resolve() == Path(cfg.trace.path).expanduser().resolve():
+            raise ConfigError(f"held_out: {path} is the training trace (trace.path={cfg.trace.path}); hold out "
+                              f"another trace, or leave held_out empty to hold out the last held_out_fraction of it")
     trace = load_trace(cfg.trace.path)
     trees = list(trace_trees(trace))
     held_traces = [load_trace(path, key="held_out") for path in cfg.held_out]
+    for path, held_trace in zip(cfg.held_out, held_traces):
+        if _model_of(held_trace) != _model_of(trace):
+            note_once(f"held_out trace {path} was recorded with another model ({_model_of(held_trace)[0]}) than "
+                      f"trace.path={cfg.trace.path} ({_model_of(trace)[0]}): its scores measure how the fit transfers")
     for note in dict.fromkeys(n for t in (trace, *held_traces) for n in t.notes):  # each once
         print(f"note: {note}")
     if cfg.held_out:
@@ -96,6 +105,13 @@ def fit_acceptance(cfg: FitAcceptanceConfig) -> Path:
     print(f"fitted on {samples} outcomes of {len(train)} trees; use it with acceptance=learned "
           f"acceptance.state_file={path}")
     return path
+
+
+def _model_of(trace) -> tuple[str, object]:  # noqa: ANN001 - a Trace
+    """The model a trace was recorded with: its path or built-in name (as its config says), and its shape."""
+    model = (trace.meta.config or {}).get("model") or {}
+    name = model.get("path") or (f"builtin:{model['builtin']}" if model.get("builtin") else "unknown")
+    return str(name), json.dumps(trace.meta.spec, sort_keys=True, default=str)
 
 
 def score_table(scores: list[AcceptanceScore]) -> str:

@@ -15,7 +15,9 @@ from specfit.commands.bench import resume_command
 from specfit.errors import ConfigError
 from specfit.files import check_results_file
 from specfit.results import append_jsonl
-from specfit.trace.format import META_FILE, TraceWriter, check_destination, load_trace, spec_to_json
+from specfit.trace.format import (
+    META_FILE, TraceError, TraceWriter, check_destination, config_difference, load_trace, spec_to_json,
+)
 from specfit.trace.record import record
 
 # config keys a resumed recording may change: where it writes, and the switch itself
@@ -35,6 +37,13 @@ def run(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
     results = check_results_file(output_dir / cfg.results_file)
     if cfg.resume and (path / META_FILE).is_file() and not cfg.trace.overwrite:
         trace = load_trace(path)
+        # as for an incomplete trace (TraceWriter.resume): a different config there is an error
+        differs = trace.meta.config is not None and config_difference(  # None: saved by the API, no config
+            trace.meta.config, OmegaConf.to_container(cfg, resolve=True), _RESUME_IGNORES)
+        if differs:
+            raise TraceError(f"trace.path={path}: the complete trace there was recorded with another config "
+                             f"({differs} differs): resume with the same settings, or set trace.overwrite=true "
+                             f"to record afresh")
         print(f"trace: {path} is already complete ({len(trace.sequences)} sequences): nothing to resume")
         return {"command": "record", "trace": str(path), "sequences": len(trace.sequences)}
     prompts = prompts_of(cfg)

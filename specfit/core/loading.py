@@ -68,13 +68,16 @@ def load_target(cfg: ModelConfig) -> LoadedModel:
                          f"{' and '.join(ATTENTION)}")
     if cfg.builtin and cfg.path:
         raise ModelError("set model.path or model.builtin, not both")
+    if cfg.tokenizer:  # before any weights: a mistyped model.tokenizer is named, never ignored
+        check_source(cfg.tokenizer, "model.tokenizer", files=TOKENIZER_HUB_FILES)
     if cfg.builtin:
         from specfit.core.builtin_models import build_builtin
 
         dtype = resolve_dtype(cfg.dtype)
         model = build_builtin(cfg.builtin, seed=cfg.seed, dtype=torch.float32 if dtype == "auto" else dtype,
                               attn_implementation=cfg.attn_implementation)
-        return LoadedModel(model, None, f"builtin:{cfg.builtin}")
+        tokenizer = load_tokenizer(cfg.tokenizer, "model.tokenizer", required=True) if cfg.tokenizer else None
+        return LoadedModel(model, tokenizer, f"builtin:{cfg.builtin}")
     if not cfg.path:
         raise ModelError("no model: set model.path=DIR (a Hugging Face checkpoint) or model=<preset>")
     path = hub_snapshot(cfg.path) or cfg.path
@@ -131,8 +134,11 @@ TOKENIZER_HUB_FILES = ("tokenizer_config.json", "tokenizer.json", "config.json")
 def check_source(path: str, key: str, hint: str = "", files: tuple[str, ...] = ("config.json",)) -> None:
     """``key=path`` names a local directory, or a hub id that can be had; else one line naming ``key``
     (before transformers' words about repo ids, which name neither the setting nor the path's problem)."""
-    if Path(path).expanduser().is_dir():
+    local = Path(path).expanduser()
+    if local.is_dir():
         return
+    if local.exists():
+        raise ModelError(f"{key}={path}: is a file, not a directory{hint}")
     if not _hub_id(path):
         raise ModelError(f"{key}={path}: no such directory{hint}")
     check_hub_id(path, key, hint, files)
@@ -506,7 +512,7 @@ def load_tokenizer(path: str | Path, key: str = "model.path", required: bool = F
     ``hint``, how to make one). The one tokenizer loader: the engine's and the trainers'."""
     path = str(path)
     local = Path(path).expanduser()
-    if required and not local.exists():  # a tokenizer-only repo may have no config.json cached
+    if required and not local.is_dir():  # a tokenizer-only repo may have no config.json cached
         check_source(path, key, hint, files=TOKENIZER_HUB_FILES)
     if local.is_dir() and not any(
         (local / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

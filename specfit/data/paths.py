@@ -37,6 +37,9 @@ def resolve_data_dir(data_dir: str | os.PathLike[str] | None, *required: str) ->
     user's machine usually has no ``../shared/data``.
     """
     path = Path(data_dir).expanduser().resolve() if data_dir is not None else default_data_dir()
+    if path.exists() and not path.is_dir():
+        raise DataDirError(f"data directory {path} is a file, not a directory (workloads take workload.data_dir=DIR, "
+                           f"the trainers data_dir=DIR; or set ${DATA_DIR_ENV}; it holds corpus/ and gsm/)")
     if not path.is_dir():
         raise DataDirError(
             f"data directory not found: {path} (workloads take workload.data_dir=..., the trainers data_dir=...; "

@@ -362,7 +362,7 @@ class TraceWriter:
         except (ValueError, KeyError, TypeError) as exc:
             raise TraceError(f"{partial_path}: corrupt ({type(exc).__name__}); set trace.overwrite=true "
                              f"to record afresh") from exc
-        differs = _first_difference(_plain(saved_config), _plain(config), ignore)
+        differs = config_difference(saved_config, config, ignore)
         if partial.get("version") != VERSION or _plain(saved_spec) != _plain(spec) or differs:
             raise TraceError(f"trace.path={path}: the interrupted recording there used another config "
                              f"({differs or 'model'} differs): resume with the same settings, or set "
@@ -394,6 +394,12 @@ class TraceWriter:
 def _plain(value: Any) -> Any:
     """``value`` as JSON would give it back (so a config compares equal to its stored copy)."""
     return json.loads(json.dumps(value, default=_jsonable))
+
+
+def config_difference(saved: Any, config: Any, ignore: tuple[str, ...] = ()) -> str | None:
+    """The first dotted key at which a trace's stored config and ``config`` differ (as JSON would
+    store them; keys in ``ignore`` skipped), or None: a resumed recording must use the same one."""
+    return _first_difference(_plain(saved), _plain(config), ignore)
 
 
 def _first_difference(a: Any, b: Any, ignore: tuple[str, ...] = (), prefix: str = "") -> str | None:
@@ -441,7 +447,8 @@ def load_trace(path: str | Path, key: str = "trace.path") -> Trace:
     ``key``: the setting that named it, for the messages (``held_out`` for fit-acceptance's)."""
     path = Path(path).expanduser()
     if not path.is_dir():
-        raise TraceError(f"{key}={path}: no such directory (record one with `specfit record`)")
+        what = "is a file, not a directory" if path.exists() else "no such directory"
+        raise TraceError(f"{key}={path}: {what} (a trace is a directory; record one with `specfit record`)")
     meta_path = path / META_FILE
     if not meta_path.is_file():
         if (path / PARTIAL_FILE).is_file() or any(path.glob("seq-*.npz")):

@@ -39,6 +39,19 @@ def test_record_writes_a_loadable_trace(trace_dir, capsys):
     assert info.value.code == 2 and "trace.overwrite=true" in capsys.readouterr().err
 
 
+def test_resuming_a_complete_trace_checks_its_config(trace_dir, tmp_path, capsys):
+    """resume=true on a complete trace: nothing to do with the same config, an error with another one."""
+    same = ["record", "model=tiny", *DRAFTER, "~cost_model", "prompt_ids=[5,17,99,3,42]", "max_new_tokens=12",
+            f"trace.path={trace_dir}", "resume=true", f"hydra.run.dir={tmp_path / 'same'}"]
+    main(same)
+    assert "already complete" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        main([a.replace("prompt_ids=[5,17,99,3,42]", "prompt_ids=[5]") for a in same])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and "\n" not in err
+    assert f"trace.path={trace_dir}: the complete trace there was recorded with another config (prompt_ids" in err
+
+
 def test_replay_prints_the_table_against_the_oracle(trace_dir, tmp_path, capsys):
     main(["replay", f"trace.path={trace_dir}", "methods=[ar,eagle3,specfit]", "cache.capacity=4", *COSTS,
           "replay.draft_time=modelled", f"hydra.run.dir={tmp_path}"])

@@ -89,6 +89,21 @@ def test_fit_acceptance_names_a_missing_held_out_trace(trace_dir, tmp_path, caps
     assert info.value.code == 2 and "held_out=/nonexistent: no such directory" in capsys.readouterr().err
 
 
+def test_fit_acceptance_refuses_its_trace_as_held_out_and_notes_another_model(trace_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:  # the same trace, by another spelling of its path
+        main(["fit-acceptance", f"trace.path={trace_dir}", f"held_out=[{trace_dir}/../{trace_dir.name}]",
+              f"out_dir={tmp_path / 'fit'}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert info.value.code == 2 and "is the training trace" in capsys.readouterr().err
+    other = tmp_path / "mixtral"
+    main(["record", "model=tiny-mixtral", "drafter.top_k=3", "drafter.depth=2", "drafter.total_tokens=4", "~cost_model",
+          "prompt_ids=[5,17,99,3]", "max_new_tokens=6", f"trace.path={other}", f"hydra.run.dir={tmp_path / 'rec'}"])
+    capsys.readouterr()
+    main(["fit-acceptance", f"trace.path={trace_dir}", f"held_out=[{other}]", f"out_dir={tmp_path / 'fit'}",
+          f"hydra.run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert f"note: held_out trace {other} was recorded with another model (builtin:tiny-mixtral)" in err
+
+
 def test_replay_notes_once_that_eagle3_uses_no_acceptance_estimates(trace_dir, tmp_path, capsys):
     """The note is said once per method (not again for the warmup's throwaway plugins), and not for
     the oracle row the replay adds (it knows the outcomes)."""

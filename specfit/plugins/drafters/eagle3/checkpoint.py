@@ -74,7 +74,8 @@ def load_head(path: str | Path) -> Eagle3Head:
     """Load a head directory; every problem is reported with the file, field or tensor it concerns."""
     path = Path(path).expanduser()
     if not path.is_dir():
-        raise ModelError(f"drafter.path={path}: no such directory")
+        what = "is a file, not a directory" if path.exists() else "no such directory"
+        raise ModelError(f"drafter.path={path}: {what} (an EAGLE-3 head is a directory: config.json and weights)")
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelError(f"drafter.path={path}: no config.json")
