@@ -28,14 +28,15 @@ def trace_dir(tmp_path_factory):
     return root / "trace"
 
 
-def test_record_writes_a_loadable_trace(trace_dir, capsys):
+def test_record_writes_a_loadable_trace(trace_dir, tmp_path, capsys):
     from specfit.trace import load_trace
 
     trace = load_trace(trace_dir)
     assert trace.positions == 11 and trace.meta.drafter == {"name": "eagle3", "depth": 3, "total_tokens": 6}
     assert trace.meta.config["model"]["builtin"] == "tiny-qwen3-moe"
     with pytest.raises(SystemExit) as info:  # an existing trace is not overwritten by mistake
-        main(["record", "model=tiny", "~cost_model", "prompt_ids=[5]", f"trace.path={trace_dir}"])
+        main(["record", "model=tiny", "~cost_model", "prompt_ids=[5]", f"trace.path={trace_dir}",
+              f"hydra.run.dir={tmp_path / 'run'}"])
     assert info.value.code == 2 and "trace.overwrite=true" in capsys.readouterr().err
 
 
