@@ -96,22 +96,33 @@ def test_uncalibrated_cost_model_says_how_to_fix_it():
         cm.constants
 
 
+TRUTH = CostConstants(c0=3e-3, c_tok=2e-4, c_miss=7e-4, c_hit=1e-4, c_level=4e-4, c_draft0=1e-3)
+
+
+def measured_cycles(rng: np.random.Generator, slow_draft: tuple[int, ...] = (),
+                    slow_total: tuple[int, ...] = ()) -> list:
+    """40 cycles timed exactly by TRUTH, but those in ``slow_draft`` draft 0.4 s longer and those in
+    ``slow_total`` take 1 s longer in all (a busy host)."""
+    from specfit.core.stats import CycleRecord
+
+    records = []
+    for i in range(40):
+        n, misses, hits, levels = (int(v) for v in rng.integers(0, 30, size=4))
+        draft = TRUTH.c_draft0 + TRUTH.c_level * levels + (0.4 if i in slow_draft else 0.0)
+        h2d = misses * (TRUTH.c_miss - TRUTH.c_hit)
+        total = TRUTH.cycle_seconds(n, misses, hits, draft) + (1.0 if i in slow_total else 0.0)
+        records.append(CycleRecord(drafted=n, levels=levels, verified=n, accepted=0, committed=1, draft_seconds=draft,
+                                   select_seconds=0.0, verify_seconds=total - draft, h2d_seconds=h2d, total_seconds=total,
+                                   misses=misses, hits=hits, union=[]))
+    return records
+
+
 def test_nnls_and_fit_recover_known_constants():
     rng = np.random.default_rng(0)
     x = rng.uniform(0, 10, size=(50, 3))
     assert np.allclose(nnls(x, x @ np.array([1.0, 0.0, 2.0])), [1.0, 0.0, 2.0], atol=1e-9)
-    from specfit.core.stats import CycleRecord
-
-    truth = CostConstants(c0=3e-3, c_tok=2e-4, c_miss=7e-4, c_hit=1e-4, c_level=4e-4, c_draft0=1e-3)
-    records = []
-    for _ in range(40):
-        n, misses, hits, levels = (int(v) for v in rng.integers(0, 30, size=4))
-        draft = truth.c_draft0 + truth.c_level * levels
-        h2d = misses * (truth.c_miss - truth.c_hit)
-        total = truth.cycle_seconds(n, misses, hits, draft)
-        records.append(CycleRecord(drafted=n, levels=levels, verified=n, accepted=0, committed=1, draft_seconds=draft,
-                                   select_seconds=0.0, verify_seconds=total - draft, h2d_seconds=h2d, total_seconds=total,
-                                   misses=misses, hits=hits, union=[]))
+    truth = TRUTH
+    records = measured_cycles(rng)
     fitted = fit_constants(records)
     for key in ("c0", "c_tok", "c_miss", "c_hit", "c_level", "c_draft0"):
         assert getattr(fitted, key) == pytest.approx(getattr(truth, key), rel=1e-6, abs=1e-12), key
@@ -176,19 +187,8 @@ def test_a_few_cycles_slowed_by_a_busy_host_do_not_move_the_constants():
     """Another process or a descheduled thread only adds time: 3 cycles of 40 taking a second more
     (as measured under load) are left out, and the rest fit exactly; plain least squares would
     have put them into c0 and c_draft0."""
-    from specfit.core.stats import CycleRecord
-
-    rng = np.random.default_rng(1)
-    truth = CostConstants(c0=3e-3, c_tok=2e-4, c_miss=7e-4, c_hit=1e-4, c_level=4e-4, c_draft0=1e-3)
-    records = []
-    for i in range(40):
-        n, misses, hits, levels = (int(v) for v in rng.integers(0, 30, size=4))
-        draft = truth.c_draft0 + truth.c_level * levels + (0.4 if i in (5, 17) else 0.0)
-        h2d = misses * (truth.c_miss - truth.c_hit)
-        total = truth.cycle_seconds(n, misses, hits, draft) + (1.0 if i in (9, 17, 30) else 0.0)
-        records.append(CycleRecord(drafted=n, levels=levels, verified=n, accepted=0, committed=1, draft_seconds=draft,
-                                   select_seconds=0.0, verify_seconds=total - draft, h2d_seconds=h2d, total_seconds=total,
-                                   misses=misses, hits=hits, union=[]))
+    truth = TRUTH
+    records = measured_cycles(np.random.default_rng(1), slow_draft=(5, 17), slow_total=(9, 17, 30))
     fitted = fit_constants(records)
     for key in ("c0", "c_tok", "c_miss", "c_hit", "c_level", "c_draft0"):
         assert getattr(fitted, key) == pytest.approx(getattr(truth, key), rel=1e-6, abs=1e-12), key
