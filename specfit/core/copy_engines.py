@@ -708,12 +708,15 @@ class EmulatedLinkEngine:
 
         def ticket(experts: int, nbytes: int, seconds: float, ready: float, inner: CopyTicket = inner) -> CopyTicket:
             def wait() -> float:
+                start = clock()
+                moving = inner.in_flight()  # a device copy still running (CUDA): blocking on it is stall too
                 inner.wait()
-                before = clock()
-                if before >= ready:
-                    return 0.0
+                now = clock()
+                blocked = now - start if moving else 0.0
+                if now >= ready:
+                    return blocked
                 wait_until(ready)
-                return clock() - before
+                return blocked + clock() - now
 
             return CopyTicket(experts, nbytes, seconds, ready, wait, lambda: max(ready - clock(), 0.0),
                               event=inner.event)

@@ -323,3 +323,31 @@ def test_a_prefetch_is_used_or_wasted(right):
     stats = runtime.stats
     assert stats.prefetch_issued == 2
     assert (stats.prefetch_used, stats.prefetch_wasted) == ((2, 0) if right else (0, 2))
+
+
+
+@pytest.mark.parametrize("device_ms, stall_ms", [(3.0, 3.0), (1.0, 1.5)])
+def test_a_real_copy_the_host_blocks_on_under_the_emulated_link_counts_as_stall(device_ms, stall_ms):
+    """The emulated link over a device engine: the host's block on a real copy still in flight is
+    stall too; the wait then ends at the later of the real landing and the modelled one (1.5 ms)."""
+    clock = FakeClock()
+
+    class SlowDevice(TorchCopyEngine):
+        def issue(self, *args, **kwargs):  # noqa: ANN002, ANN003
+            real = super().issue(*args, **kwargs)
+            landed = [False]
+
+            def block() -> float:
+                clock.advance(device_ms * MS)
+                landed[0] = True
+                return device_ms * MS
+
+            return CopyTicket(real.experts, real.bytes, real.seconds, real.ready_at, block,
+                              lambda: 0.0 if landed[0] else 1.0)
+
+    link = EmulatedLinkEngine(SlowDevice("cpu"), LINK)
+    link.clock, link.wait_until = clock, clock.wait_until
+    store, slots = tensors()
+    ticket = link.issue(store, ids(1), slots, ids(0))
+    assert ticket.wait() == pytest.approx(stall_ms * MS)
+    assert clock.now == pytest.approx(max(device_ms, 1.5) * MS)
