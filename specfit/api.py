@@ -103,6 +103,11 @@ def _with_model_head(node: DictConfig, head: str | None) -> DictConfig:
         return node
     if getattr(OmegaConf.to_object(node), "path", None) is not None:  # set by an alias (speculative_config.model)
         return node
+    local = Path(head).expanduser()
+    if not local.is_dir():  # named by its own key, not as the drafter.path it becomes
+        what = "is a file, not a directory" if local.exists() else "no such directory"
+        raise ConfigError(f"model.draft_head={head}: {what} (an EAGLE-3 head is a directory: config.json and "
+                          "weights)")
     node = node.copy()
     node.path = head
     return node

@@ -79,6 +79,8 @@ CASES: list[tuple[str, str, str]] = [
     (f"{EAGLE} drafter.depth=100000", "drafter.depth", EARLY),  # once drafted to the end of the context
     (f"{EAGLE} drafter.num_draft_tokens=5000", "drafter.total_tokens", EARLY),
     (f"{EAGLE} drafter.path=/nope/head", "drafter.path", EARLY),
+    # the model's own head is named by its own key, not as the drafter.path it becomes
+    (f"{EAGLE} model.draft_head=/nope/head", "model.draft_head=/nope/head: no such directory", EARLY),
     (f"{EAGLE} drafter.seed=x", "drafter.seed", EARLY),
     (f"{EAGLE} drafter.topk=3", "did you mean drafter.top_k?", EARLY),
     (f"{EAGLE} +drafter.depht=3", "did you mean drafter.depth?", EARLY),
@@ -177,6 +179,7 @@ CASES: list[tuple[str, str, str]] = [
     ("bench model=tiny prompt_ids=[1] drafter.topk=3", "topk", EARLY),
     ("bench model=tiny methods=[ar] workloads=[gsm] workload=prose", "give workload=NAME or workloads=[...], not both",
      EARLY),
+    ("bench model=tiny methods=[ar] workloads=[prosee]", "workloads=['prosee']: 'prosee' is not a workload", EARLY),
     ("bench model=tiny methods=[ar] workloads=[gsm] workload.kind=prose workload.num_prompts=1",
      "workload.kind=prose contradicts workloads=['gsm']", EARLY),
     ("""bench model=tiny prompt_ids=[1] methods=[ar,bad] '+method_presets.bad=["selector=nope"]'""",
@@ -205,6 +208,8 @@ CASES: list[tuple[str, str, str]] = [
     ("train-drafter target_dir=specfit/assets/demo/target init_from=/nope/head out_dir={tmp}/t3",
      "init_from=/nope/head: no such directory", EARLY),
     ("train-drafter save_dtype=fp8 out_dir={tmp}/t4", "save_dtype='fp8' is not one of", EARLY),
+    ("train-drafter train_files=[/nope/a.txt] out_dir={tmp}/t11", "train_files: /nope/a.txt: no such file", EARLY),
+    ("train-target train_files=[{tmp}] out_dir={tmp}/t12", "is a directory, not a file", EARLY),
     ("train-target tokenizer_dir=specfit/assets/demo/target num_key_value_heads=4 out_dir={tmp}/t5",
      "num_attention_heads=6 must be a multiple of num_key_value_heads=4", EARLY),
     ("train-target tokenizer_dir=specfit/assets/demo/target seq_len=4096 out_dir={tmp}/t6",

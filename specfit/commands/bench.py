@@ -197,6 +197,16 @@ def _check_num_prompts_applies(cfg: DictConfig, overrides: list[str]) -> None:
         raise num_prompts_unused(cfg.workload.num_prompts, f"workloads={list(cfg.workloads)} (each takes all its prompts)")
 
 
+def _check_workload_names(cfg: DictConfig) -> None:
+    """Each name in ``workloads=[...]`` is a workload config, named as such (a typo there made every
+    method's preset look broken)."""
+    for w in cfg.workloads:
+        try:
+            compose([f"workload={w}"], config_name=_config_name())
+        except ConfigError as exc:
+            raise ConfigError(f"workloads={list(cfg.workloads)}: {w!r} is not a workload ({exc})") from exc
+
+
 def _check_kind_fits_workloads(cfg: DictConfig, overrides: list[str]) -> None:
     """``workload.kind`` beside ``workloads=[...]`` applies to every workload of the list: one whose own
     kind differs would run another kind's prompts under its name (prose prompts labelled gsm)."""
@@ -226,6 +236,7 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
     if cfg.workloads and any(override_key(o) == "workload" for o in overrides):  # the list's choice would win
         raise ConfigError(f"give workload=NAME or workloads=[...], not both (workloads={list(cfg.workloads)} runs each "
                           f"of them; add the other to that list)")
+    _check_workload_names(cfg)
     check_overrides(cfg, overrides)
     _check_num_prompts_applies(cfg, overrides)
     _check_kind_fits_workloads(cfg, overrides)

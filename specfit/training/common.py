@@ -176,3 +176,8 @@ def check_trainer_config(cfg: Any) -> None:
     top_k, experts = getattr(cfg, "num_experts_per_tok", None), getattr(cfg, "num_experts", None)
     if top_k is not None and experts is not None and top_k > experts:
         raise ConfigError(f"num_experts_per_tok={top_k} exceeds num_experts={experts}")
+    for key in ("train_files", "eval_files"):  # named now, not after the target has loaded
+        for name in getattr(cfg, key, None) or ():
+            path = Path(str(name)).expanduser()
+            if not path.is_file():
+                raise ConfigError(f"{key}: {name}: {'is a directory, not a file' if path.exists() else 'no such file'}")
