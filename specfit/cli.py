@@ -167,6 +167,30 @@ def plain_overrides(args: list[str]) -> list[str]:
     return out
 
 
+#: A sweep's jobs checked before the first one runs (each compose takes tens of milliseconds).
+SWEEP_JOBS_CHECKED = 64
+
+
+def sweep_jobs(args: list[str]) -> list[list[str]]:
+    """The overrides of each job a ``-m`` sweep runs, as Hydra's basic sweeper expands it (every
+    combination of the comma lists and ranges), without ``hydra.*`` keys; an override that does not
+    parse is kept as it is, so compose() names it."""
+    import itertools
+
+    from specfit.config import override_key
+
+    plain, axes = [], []
+    for a, parsed in _parsed_overrides(args):
+        key = override_key(a)
+        if key == "hydra" or key.startswith("hydra."):
+            continue
+        if parsed is not None and parsed.is_sweep_override():
+            axes.append([f"{parsed.get_key_element()}={v}" for v in parsed.sweep_string_iterator()])
+        else:
+            plain.append(a)
+    return [plain + list(combo) for combo in itertools.islice(itertools.product(*axes), SWEEP_JOBS_CHECKED)]
+
+
 def _job(command: str) -> Callable:
     def job(cfg, output_dir: Path, overrides: list[str]) -> None:
         if command == "generate":
@@ -233,6 +257,10 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
         values = _override_values(args)
         _check_prompt_or_workload(values)
         _check_run_dir(values)
+    elif flags.multirun and not (is_query or elsewhere):  # every job (up to 64), before the first one runs
+        for overrides in sweep_jobs(args):
+            check_config(compose(overrides, config_name=config_name))
+            _check_prompt_or_workload(_override_values(overrides))
 
     @hydra.main(version_base="1.3", config_path="pkg://specfit.conf", config_name=config_name)
     def app(cfg) -> None:

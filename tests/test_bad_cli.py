@@ -164,6 +164,9 @@ CASES: list[tuple[str, str, str]] = [
     (f"{S} workload=prose", "give prompt_ids or workload, not both", EARLY),
     (f"{S} workloads=[inline,gsm]", "give prompt_ids or workloads, not both", EARLY),
     ("generate -m model=tiny prompt_ids=[1] max_new_tokens=2 workload=prose", "not both", EARLY),  # each sweep job
+    # a bad value in a later job of a sweep is named before the first job runs
+    ("generate -m model=tiny prompt_ids=[1] max_new_tokens=2,0", "max_new_tokens=0", EARLY),
+    ("generate -m model=tiny prompt_ids=[1] max_new_tokens=2 sampling.temperature=0,-1", "sampling.temperature", EARLY),
     ("generate model=demo prompt=hi workload.seed=2", "give prompt or workload.seed, not both", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=[ar] workloads=[gsm]", "not both", EARLY),
     # every workload of the list takes all its prompts: num_prompts would do nothing
