@@ -185,7 +185,10 @@ def sweep_jobs(args: list[str]) -> list[list[str]]:
         if key == "hydra" or key.startswith("hydra."):
             continue
         if parsed is not None and parsed.is_sweep_override():
-            axes.append([f"{parsed.get_key_element()}={v}" for v in parsed.sweep_string_iterator()])
+            try:
+                axes.append([f"{parsed.get_key_element()}={v}" for v in parsed.sweep_string_iterator()])
+            except Exception:  # noqa: BLE001 - a sweep only its sweeper enumerates (interval(...)): it checks
+                return []
         else:
             plain.append(a)
     return [plain + list(combo) for combo in itertools.islice(itertools.product(*axes), SWEEP_JOBS_CHECKED)]

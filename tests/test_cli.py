@@ -240,3 +240,13 @@ def test_demo_runs_its_comparison_on_the_users_prompt(tmp_path, capsys):
           f"hydra.run.dir={tmp_path}"])
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["method"] for r in rows] == ["ar"] and rows[0]["num_output_tokens"] == 2
+
+
+def test_sweep_jobs_expand_as_hydras_basic_sweeper():
+    from specfit.cli import sweep_jobs
+
+    jobs = sweep_jobs(["-m", "model=tiny", "max_new_tokens=2,3", "seed=range(0,2)", "hydra.sweep.dir=x"])
+    assert jobs == [["model=tiny", "max_new_tokens=2", "seed=0"], ["model=tiny", "max_new_tokens=2", "seed=1"],
+                    ["model=tiny", "max_new_tokens=3", "seed=0"], ["model=tiny", "max_new_tokens=3", "seed=1"]]
+    assert sweep_jobs(["+extra=1,2"]) == [["+extra=1"], ["+extra=2"]]
+    assert sweep_jobs(["model=tiny", "x=interval(0,1)"]) == []  # only its sweeper enumerates it
