@@ -125,6 +125,11 @@ def _hydra_args(args: list[str]):
     parser = get_args_parser()
 
     def error(message: str) -> NoReturn:
+        stray = message.removeprefix("unrecognized arguments:").split()
+        if message.startswith("unrecognized arguments:") and stray and all("=" in a for a in stray):
+            raise ConfigError(f"the settings {' '.join(stray)} come after a Hydra flag that ends the settings: keep "
+                              f"all key=value settings together, the flags before or after them "
+                              f"(e.g. -m model=demo max_new_tokens=8,16, or model=demo --cfg job)")
         raise ConfigError(f"{message} (settings are key=value; Hydra flags: --cfg job, -m, --help)")
 
     parser.error = error  # type: ignore[method-assign]

@@ -164,6 +164,9 @@ CASES: list[tuple[str, str, str]] = [
     (f"{S} workload=prose", "give prompt_ids or workload, not both", EARLY),
     (f"{S} workloads=[inline,gsm]", "give prompt_ids or workloads, not both", EARLY),
     ("generate -m model=tiny prompt_ids=[1] max_new_tokens=2 workload=prose", "not both", EARLY),  # each sweep job
+    # argparse stops reading settings at a flag between them: say that, not "unrecognized arguments"
+    ("generate model=tiny --cfg job prompt_ids=[1]", "come after a Hydra flag that ends the settings", EARLY),
+    ("generate --bogus", "unrecognized arguments: --bogus", EARLY),
     # a bad value in a later job of a sweep is named before the first job runs
     ("generate -m model=tiny prompt_ids=[1] max_new_tokens=2,0", "max_new_tokens=0", EARLY),
     ("generate -m model=tiny prompt_ids=[1] max_new_tokens=2 sampling.temperature=0,-1", "sampling.temperature", EARLY),
