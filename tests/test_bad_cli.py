@@ -215,6 +215,8 @@ CASES: list[tuple[str, str, str]] = [
      "init_from=/nope/head: no such directory", EARLY),
     ("train-drafter save_dtype=fp8 out_dir={tmp}/t4", "save_dtype='fp8' is not one of", EARLY),
     ("train-drafter train_files=[/nope/a.txt] out_dir={tmp}/t11", "train_files: /nope/a.txt: no such file", EARLY),
+    ("train-drafter target_dir=specfit/assets/demo/target aux_layers=[1,2,9] out_dir={tmp}/t13",
+     "aux_layers=[1, 2, 9]: HF hidden_states indices must be in [1, 6]", EARLY),
     ("train-target train_files=[{tmp}] out_dir={tmp}/t12", "is a directory, not a file", EARLY),
     ("train-target tokenizer_dir=specfit/assets/demo/target num_key_value_heads=4 out_dir={tmp}/t5",
      "num_attention_heads=6 must be a multiple of num_key_value_heads=4", EARLY),

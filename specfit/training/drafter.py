@@ -438,8 +438,8 @@ def build_head(model: Any, cfg: TrainDrafterConfig, vocab: DraftVocab, layers: S
     return head
 
 
-def _resolve_layers(model: Any, aux_layers: Sequence[int] | None) -> list[int]:
-    n = model.config.num_hidden_layers
+def _resolve_layers(n: int, aux_layers: Sequence[int] | None) -> list[int]:
+    """The three HF hidden_states indices the head fuses, for an ``n``-layer target."""
     layers = list(aux_layers) if aux_layers else default_aux_layers(n)
     if len(layers) != 3:
         raise ConfigError(f"aux_layers={layers}: an EAGLE-3 head fuses exactly three target layers")
@@ -536,6 +536,7 @@ def train_drafter(cfg: TrainDrafterConfig) -> Path:
     if cfg.save_dtype not in DTYPES:
         raise ConfigError(f"save_dtype={cfg.save_dtype!r} is not one of {', '.join(DTYPES)}")
     from specfit.core.loading import check_source, load_tokenizer
+    from specfit.files import read_json_object
     from specfit.training.target import _check_saved_target
     from specfit.validation import device_arg
 
@@ -543,6 +544,10 @@ def train_drafter(cfg: TrainDrafterConfig) -> Path:
     check_source(cfg.target_dir, "target_dir")  # before anything is written: a typo creates no out_dir
     if Path(cfg.target_dir).expanduser().is_dir():  # a hub id: from_pretrained finds its config.json
         _check_saved_target(cfg.target_dir, "target_dir")
+        config = read_json_object(Path(cfg.target_dir).expanduser() / "config.json", f"target_dir={cfg.target_dir}")
+        layers = config.get("num_hidden_layers")
+        if isinstance(layers, int) and not isinstance(layers, bool):
+            _resolve_layers(layers, cfg.aux_layers)  # aux_layers out of range: named before out_dir is made
     if cfg.tokenizer_dir:
         check_source(cfg.tokenizer_dir, "tokenizer_dir")
     if cfg.init_from and not Path(cfg.init_from).expanduser().is_dir():
@@ -577,7 +582,7 @@ def train_drafter(cfg: TrainDrafterConfig) -> Path:
     write_json(out / "draft_vocab.json", {"draft_vocab_size": vocab.size, "target_vocab_size": vocab_size,
                                           "full": vocab.full, "train_token_coverage": round(vocab.coverage(counts), 6),
                                           "counted_tokens": int(len(counted))})
-    layers = _resolve_layers(model, cfg.aux_layers)
+    layers = _resolve_layers(model.config.num_hidden_layers, cfg.aux_layers)
 
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
