@@ -35,8 +35,19 @@ def one_line_config_error(exc: BaseException) -> str:
     message = (" ".join(seen) or type(exc).__name__) + _did_you_mean(exc)
     if _is_parse_error(exc) and "LexerNoViableAltException" in message:  # characters Hydra's grammar refuses
         message = message.replace("LexerNoViableAltException: ", "cannot parse ").split(" See https://")[0]
-        message = message.removesuffix(" ^") + _QUOTING_HINT
+        message = message.removesuffix(" ^") + _quoting_hint(message)
     return message
+
+
+def _quoting_hint(message: str) -> str:
+    """How to quote the override that did not parse, with its own key (``prompt`` also has a file)."""
+    text = message.partition("cannot parse ")[2]
+    key = text.split("=", 1)[0].strip() if "=" in text else ""
+    if not key or " " in key:
+        key = "prompt"
+    extra = "; a prompt can also come from prompt_file=PATH" if key == "prompt" else ""
+    return (f" (quote a value that has spaces, non-ASCII or special characters inside the shell's quotes:"
+            f" '{key}=\"...\"'{extra})")
 
 
 def _did_you_mean(exc: BaseException | None) -> str:
@@ -66,6 +77,4 @@ def _is_parse_error(exc: BaseException | None) -> bool:
 # lines of Hydra/OmegaConf messages that name no problem (the search path lists every provider)
 _NOISE = ("full_key:", "object_type=", "reference_type=", "Set the environment", "Config search path",
           "provider=")
-_QUOTING_HINT = (" (quote a value that has spaces, non-ASCII or special characters inside the shell's quotes:"
-                 " 'prompt=\"...\"'; a prompt can also come from prompt_file=PATH)")
 _APPEND_HINT = re.compile(r"\s*To append to your config use \+\S+")

@@ -164,6 +164,9 @@ CASES: list[tuple[str, str, str]] = [
     (f"{S} workload=prose", "give prompt_ids or workload, not both", EARLY),
     (f"{S} workloads=[inline,gsm]", "give prompt_ids or workloads, not both", EARLY),
     ("generate -m model=tiny prompt_ids=[1] max_new_tokens=2 workload=prose", "not both", EARLY),  # each sweep job
+    # an override Hydra's grammar refuses: how to quote it, with its own key
+    ("generate model=tiny model.path=~/x prompt_ids=[1]", "cannot parse model.path=~/x (quote a value", EARLY),
+    ("generate model=tiny 'prompt=a~b c'", "prompt_file=PATH", EARLY),
     # argparse stops reading settings at a flag between them: say that, not "unrecognized arguments"
     ("generate model=tiny --cfg job prompt_ids=[1]", "come after a Hydra flag that ends the settings", EARLY),
     ("generate --bogus", "unrecognized arguments: --bogus", EARLY),
