@@ -74,8 +74,13 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
         prefetcher=prefetcher,
         **parts,
     )
-    for prompt in check_prompts:
-        engine.check_prompt(prompt)
+    for i, prompt in enumerate(check_prompts):
+        try:
+            engine.check_prompt(prompt)
+        except ConfigError as exc:  # which of the workload's prompts (a file's line, a dataset's row)
+            if len(check_prompts) < 2:
+                raise
+            raise ConfigError(f"{_workload_name(cfg)}, prompt {i + 1} of {len(check_prompts)}: {exc}") from exc
     if calibrate_now:
         _attach_calibration(engine, calibration_prompts)
     attach_setup_state(engine)  # the selector starts from what earlier engines of this setup learned
@@ -111,6 +116,13 @@ def _with_model_head(node: DictConfig, head: str | None) -> DictConfig:
     node = node.copy()
     node.path = head
     return node
+
+
+def _workload_name(cfg: DictConfig) -> str:
+    """The workload as the user named it: its file where it has one."""
+    workload = cfg.get("workload") or {}
+    path = workload.get("path") if hasattr(workload, "get") else None
+    return f"workload.path={path}" if path else f"workload={workload.get('name', 'inline')}" if workload else "prompts"
 
 
 def _check_prompts_are_ids(cfg: DictConfig) -> None:

@@ -507,3 +507,11 @@ def test_a_quoted_run_folder_is_created_where_hydra_puts_it(tmp_path, monkeypatc
                              f"hydra.run.dir='{run_dir}'"], capsys)
     assert code == 0 and (run_dir / "results.jsonl").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["q b"]  # no folder named after the quoted text
+
+
+def test_a_bad_prompt_of_a_workload_file_is_named_by_file_and_position(tmp_path, capsys):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [99999]}\n')
+    code, _, err, _ = run_cli(["generate", "model=tiny", "workload=jsonl", f"workload.path={f}", "max_new_tokens=2",
+                               f"hydra.run.dir={tmp_path / 'run'}"], capsys)
+    assert code == 2 and f"workload.path={f}, prompt 2 of 2: prompt: token ids [99999]" in err, err
