@@ -8,9 +8,10 @@
 # (recording included).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-D=${1:-/tmp/specfit-estimators}; mkdir -p "$D"
+D=${1:-/tmp/specfit-estimators}; mkdir -p "$D"; D=$(cd "$D" && pwd)
 export SPECFIT_HOME=$D/home
-S=.venv/bin/specfit
+S=$PWD/.venv/bin/specfit
+cd "$D"  # the commands' run folders (outputs/) land beside the traces, not in the repository
 GPU="replay.cost_profile=gpu-like replay.draft_time=modelled"
 for w in prose gsm; do
   for seed in 0 1; do
