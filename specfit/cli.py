@@ -269,6 +269,7 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
         for overrides in sweep_jobs(args):
             check_config(compose(overrides, config_name=config_name))
             _check_prompt_or_workload(_override_values(overrides))
+        _check_run_dir(_override_values(args), "hydra.sweep.dir")
 
     @hydra.main(version_base="1.3", config_path="pkg://specfit.conf", config_name=config_name)
     def app(cfg) -> None:
@@ -314,16 +315,16 @@ def _check_prompt_or_workload(values: dict[str, Any]) -> None:
         raise ConfigError(f"give {prompt} or {workload}, not both: {prompt} replaces the workload's prompts")
 
 
-def _check_run_dir(values: dict[str, Any]) -> None:
-    """An explicit ``hydra.run.dir`` that cannot be created is named, not reported as a bare path.
-    Called last among the checks: it creates the folder, as Hydra would next."""
-    run_dir = values.get("hydra.run.dir")
+def _check_run_dir(values: dict[str, Any], key: str = "hydra.run.dir") -> None:
+    """An explicit ``hydra.run.dir`` (a sweep's ``hydra.sweep.dir``) that cannot be created is named,
+    not reported as a bare path. Called last among the checks: it creates the folder, as Hydra would next."""
+    run_dir = values.get(key)
     if not isinstance(run_dir, str) or "${" in run_dir:  # an interpolation is Hydra's to resolve
         return
     try:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"hydra.run.dir={run_dir}: cannot create the run folder: {exc.strerror or exc}") from exc
+        raise ConfigError(f"{key}={run_dir}: cannot create the run folder: {exc.strerror or exc}") from exc
 
 
 def _arg_parser(prog: str, description: str):

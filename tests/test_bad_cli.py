@@ -515,3 +515,11 @@ def test_a_bad_prompt_of_a_workload_file_is_named_by_file_and_position(tmp_path,
     code, _, err, _ = run_cli(["generate", "model=tiny", "workload=jsonl", f"workload.path={f}", "max_new_tokens=2",
                                f"hydra.run.dir={tmp_path / 'run'}"], capsys)
     assert code == 2 and f"workload.path={f}, prompt 2 of 2: prompt: token ids [99999]" in err, err
+
+
+def test_a_sweep_folder_that_cannot_be_made_is_named(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code, _, err, _ = run_cli(["generate", "-m", "model=tiny", "prompt_ids=[1]", "max_new_tokens=2,3",
+                               f"hydra.sweep.dir={blocker}/x"], capsys)
+    assert code == 2 and f"hydra.sweep.dir={blocker}/x: cannot create the run folder" in err, err
