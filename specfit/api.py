@@ -22,6 +22,7 @@ from specfit.core.setup_state import attach_setup_state
 from specfit.config import check_config, unused_setting_notes
 from specfit.config_messages import note_once
 from specfit.errors import ConfigError
+from specfit.files import missing_directory
 from specfit.registry import get_plugins
 
 
@@ -108,11 +109,9 @@ def _with_model_head(node: DictConfig, head: str | None) -> DictConfig:
         return node
     if getattr(OmegaConf.to_object(node), "path", None) is not None:  # set by an alias (speculative_config.model)
         return node
-    local = Path(head).expanduser()
-    if not local.is_dir():  # named by its own key, not as the drafter.path it becomes
-        what = "is a file, not a directory" if local.exists() else "no such directory"
-        raise ConfigError(f"model.draft_head={head}: {what} (an EAGLE-3 head is a directory: config.json and "
-                          "weights)")
+    if not Path(head).expanduser().is_dir():  # named by its own key, not as the drafter.path it becomes
+        raise ConfigError(f"model.draft_head={head}: {missing_directory(head)} (an EAGLE-3 head is a directory: "
+                          "config.json and weights)")
     node = node.copy()
     node.path = head
     return node
@@ -120,9 +119,11 @@ def _with_model_head(node: DictConfig, head: str | None) -> DictConfig:
 
 def _workload_name(cfg: DictConfig) -> str:
     """The workload as the user named it: its file where it has one."""
-    workload = cfg.get("workload") or {}
-    path = workload.get("path") if hasattr(workload, "get") else None
-    return f"workload.path={path}" if path else f"workload={workload.get('name', 'inline')}" if workload else "prompts"
+    workload = cfg.get("workload")
+    if not workload:
+        return "prompts"
+    path = workload.get("path")
+    return f"workload.path={path}" if path else f"workload={workload.get('name', 'inline')}"
 
 
 def _check_prompts_are_ids(cfg: DictConfig) -> None:
@@ -182,12 +183,13 @@ def calibrate(engine: Engine, prompts: Sequence[Any] | None = None, max_new_toke
         prompts = [rng.integers(0, vocab, size=24).tolist() for _ in range(4)]
     constants, report = run_calibration(engine, prompts, max_new_tokens, seed)
     constants.source = str(path)
-    if not store_poor and report["cycle_time_ape_median"] > POOR_FIT:
+    poor = report["cycle_time_ape_median"] > POOR_FIT
+    if poor and not store_poor:
         note_once(f"this calibration predicts its held-out cycle times poorly (median error "
                   f"{report['cycle_time_ape_median']:.0%}): the host was probably busy. Its constants serve this "
                   f"run only and are not stored; `specfit calibrate` on a quiet host stores them")
         return constants, report
-    if report["cycle_time_ape_median"] > POOR_FIT:
+    if poor:
         report["kept_despite_error"] = True  # asked for (specfit calibrate): automatic runs keep it too
     report["path"] = str(save_constants(path, constants, engine, report))
     return constants, report

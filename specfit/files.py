@@ -58,6 +58,12 @@ def check_writable(path: str | Path, key: str, directory: bool = False, label: s
     return path
 
 
+def missing_directory(path: str | Path) -> str:
+    """Why ``path``, which is not a directory, cannot be one, for a one-line error: a file is named
+    as a file, not as a missing directory."""
+    return "is a file, not a directory" if Path(path).expanduser().exists() else "no such directory"
+
+
 def check_results_file(path: str | Path, key: str = "results_file") -> Path:
     """:func:`check_writable`, and an existing file must be JSON lines that specfit may append to.
 

@@ -25,7 +25,7 @@ from torch import nn
 from specfit.config import ModelConfig
 from specfit.core.numerics import check_numerics, dense_dtype
 from specfit.errors import ModelError
-from specfit.files import read_json_object
+from specfit.files import missing_directory, read_json_object
 from specfit.validation import device_arg
 
 if TYPE_CHECKING:
@@ -137,10 +137,8 @@ def check_source(path: str, key: str, hint: str = "", files: tuple[str, ...] = (
     local = Path(path).expanduser()
     if local.is_dir():
         return
-    if local.exists():
-        raise ModelError(f"{key}={path}: is a file, not a directory{hint}")
-    if not _hub_id(path):
-        raise ModelError(f"{key}={path}: no such directory{hint}")
+    if local.exists() or not _hub_id(path):
+        raise ModelError(f"{key}={path}: {missing_directory(local)}{hint}")
     check_hub_id(path, key, hint, files)
 
 

@@ -59,7 +59,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from specfit.errors import ConfigError
-from specfit.files import check_writable, remove_stale_temporaries, write_atomic
+from specfit.files import check_writable, missing_directory, remove_stale_temporaries, write_atomic
 from specfit.interfaces.protocols import ACCEPTED_KEY  # noqa: F401 - defined with SelectionContext; replay imports it here
 
 FORMAT = "specfit-trace"
@@ -447,8 +447,7 @@ def load_trace(path: str | Path, key: str = "trace.path") -> Trace:
     ``key``: the setting that named it, for the messages (``held_out`` for fit-acceptance's)."""
     path = Path(path).expanduser()
     if not path.is_dir():
-        what = "is a file, not a directory" if path.exists() else "no such directory"
-        raise TraceError(f"{key}={path}: {what} (a trace is a directory; record one with `specfit record`)")
+        raise TraceError(f"{key}={path}: {missing_directory(path)} (a trace is a directory; record one with `specfit record`)")
     meta_path = path / META_FILE
     if not meta_path.is_file():
         if (path / PARTIAL_FILE).is_file() or any(path.glob("seq-*.npz")):

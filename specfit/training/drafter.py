@@ -536,23 +536,20 @@ def train_drafter(cfg: TrainDrafterConfig) -> Path:
     if cfg.save_dtype not in DTYPES:
         raise ConfigError(f"save_dtype={cfg.save_dtype!r} is not one of {', '.join(DTYPES)}")
     from specfit.core.loading import check_source, load_tokenizer
-    from specfit.files import read_json_object
+    from specfit.files import missing_directory
     from specfit.training.target import _check_saved_target
     from specfit.validation import device_arg
 
     device_arg(cfg.device, key="device")
     check_source(cfg.target_dir, "target_dir")  # before anything is written: a typo creates no out_dir
     if Path(cfg.target_dir).expanduser().is_dir():  # a hub id: from_pretrained finds its config.json
-        _check_saved_target(cfg.target_dir, "target_dir")
-        config = read_json_object(Path(cfg.target_dir).expanduser() / "config.json", f"target_dir={cfg.target_dir}")
-        layers = config.get("num_hidden_layers")
+        layers = _check_saved_target(cfg.target_dir, "target_dir").get("num_hidden_layers")
         if isinstance(layers, int) and not isinstance(layers, bool):
             _resolve_layers(layers, cfg.aux_layers)  # aux_layers out of range: named before out_dir is made
     if cfg.tokenizer_dir:
         check_source(cfg.tokenizer_dir, "tokenizer_dir")
     if cfg.init_from and not Path(cfg.init_from).expanduser().is_dir():
-        what = "is a file, not a directory" if Path(cfg.init_from).expanduser().exists() else "no such directory"
-        raise ConfigError(f"init_from={cfg.init_from}: {what} (name a head saved by train-drafter)")
+        raise ConfigError(f"init_from={cfg.init_from}: {missing_directory(cfg.init_from)} (name a head saved by train-drafter)")
     _set_threads(cfg.threads)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from specfit.errors import ModelError
-from specfit.files import read_json_object
+from specfit.files import missing_directory, read_json_object
 from specfit.plugins.drafters.eagle3.head import Eagle3Config, Eagle3Head
 from specfit.plugins.drafters.eagle3.layouts import config_from_json, config_to_hf, tensor_names
 
@@ -74,8 +74,7 @@ def load_head(path: str | Path) -> Eagle3Head:
     """Load a head directory; every problem is reported with the file, field or tensor it concerns."""
     path = Path(path).expanduser()
     if not path.is_dir():
-        what = "is a file, not a directory" if path.exists() else "no such directory"
-        raise ModelError(f"drafter.path={path}: {what} (an EAGLE-3 head is a directory: config.json and weights)")
+        raise ModelError(f"drafter.path={path}: {missing_directory(path)} (an EAGLE-3 head is a directory: config.json and weights)")
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelError(f"drafter.path={path}: no config.json")
