@@ -156,20 +156,21 @@ def _parsed_overrides(args: list[str]) -> Iterator[tuple[str, Any]]:
             yield a, None
 
 
+def _settings(args: list[str]) -> Iterator[tuple[str, Any]]:
+    """:func:`_parsed_overrides` without Hydra's own settings (``hydra.*``: Hydra checks them)."""
+    from specfit.config import override_key
+
+    for a, parsed in _parsed_overrides(args):
+        key = override_key(a)
+        if not (key == "hydra" or key.startswith("hydra.")):
+            yield a, parsed
+
+
 def plain_overrides(args: list[str]) -> list[str]:
     """The overrides of ``args`` that compose() can check up front (no flags, sweeps or hydra.* keys).
 
     An override that does not parse is kept: compose() then reports it in one line."""
-    from specfit.config import override_key
-
-    out = []
-    for a, parsed in _parsed_overrides(args):
-        key = override_key(a)
-        if key == "hydra" or key.startswith("hydra."):  # Hydra's own settings: Hydra checks them
-            continue
-        if parsed is None or not parsed.is_sweep_override():
-            out.append(a)
-    return out
+    return [a for a, parsed in _settings(args) if parsed is None or not parsed.is_sweep_override()]
 
 
 #: A sweep's jobs checked before the first one runs (each compose takes tens of milliseconds).
@@ -182,20 +183,14 @@ def sweep_jobs(args: list[str]) -> list[list[str]]:
     parse is kept as it is, so compose() names it."""
     import itertools
 
-    from specfit.config import override_key
-
-    plain, axes = [], []
-    for a, parsed in _parsed_overrides(args):
-        key = override_key(a)
-        if key == "hydra" or key.startswith("hydra."):
-            continue
+    axes = []
+    for _, parsed in _settings(args):
         if parsed is not None and parsed.is_sweep_override():
             try:
                 axes.append([f"{parsed.get_key_element()}={v}" for v in parsed.sweep_string_iterator()])
             except Exception:  # noqa: BLE001 - a sweep only its sweeper enumerates (interval(...)): it checks
                 return []
-        else:
-            plain.append(a)
+    plain = plain_overrides(args)
     return [plain + list(combo) for combo in itertools.islice(itertools.product(*axes), SWEEP_JOBS_CHECKED)]
 
 

@@ -197,25 +197,17 @@ def _check_num_prompts_applies(cfg: DictConfig, overrides: list[str]) -> None:
         raise num_prompts_unused(cfg.workload.num_prompts, f"workloads={list(cfg.workloads)} (each takes all its prompts)")
 
 
-def _check_workload_names(cfg: DictConfig) -> None:
+def _check_workloads(cfg: DictConfig, overrides: list[str]) -> None:
     """Each name in ``workloads=[...]`` is a workload config, named as such (a typo there made every
-    method's preset look broken)."""
+    method's preset look broken); and ``workload.kind`` beside the list, which applies to every
+    workload of it, must not contradict one's own kind (prose prompts would run labelled gsm)."""
+    kind = next((o.split("=", 1)[1] for o in overrides if override_key(o) == "workload.kind" and "=" in o), None)
     for w in cfg.workloads:
         try:
-            compose([f"workload={w}"], config_name=_config_name())
+            own = compose([f"workload={w}"], config_name=_config_name()).workload.kind
         except ConfigError as exc:
             raise ConfigError(f"workloads={list(cfg.workloads)}: {w!r} is not a workload ({exc})") from exc
-
-
-def _check_kind_fits_workloads(cfg: DictConfig, overrides: list[str]) -> None:
-    """``workload.kind`` beside ``workloads=[...]`` applies to every workload of the list: one whose own
-    kind differs would run another kind's prompts under its name (prose prompts labelled gsm)."""
-    kind = next((o.split("=", 1)[1] for o in overrides if override_key(o) == "workload.kind" and "=" in o), None)
-    if not cfg.workloads or kind is None:
-        return
-    for w in cfg.workloads:
-        own = compose([f"workload={w}"], config_name=_config_name()).workload.kind
-        if own != cfg.workload.kind:
+        if kind is not None and own != cfg.workload.kind:
             raise ConfigError(f"workload.kind={kind} contradicts workloads={list(cfg.workloads)}: workload {w} is "
                               f"kind {own}; drop workload.kind (each workload of the list has its own kind)")
 
@@ -236,10 +228,9 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
     if cfg.workloads and any(override_key(o) == "workload" for o in overrides):  # the list's choice would win
         raise ConfigError(f"give workload=NAME or workloads=[...], not both (workloads={list(cfg.workloads)} runs each "
                           f"of them; add the other to that list)")
-    _check_workload_names(cfg)
+    _check_workloads(cfg, overrides)
     check_overrides(cfg, overrides)
     _check_num_prompts_applies(cfg, overrides)
-    _check_kind_fits_workloads(cfg, overrides)
     results = check_results_file(output_dir / cfg.results_file)
     answers_dir = None if cfg.answers_dir is None else check_writable(output_dir / cfg.answers_dir, "answers_dir",
                                                                        directory=True)

@@ -61,10 +61,11 @@ def fit_acceptance(cfg: FitAcceptanceConfig) -> Path:
     trace = load_trace(cfg.trace.path)
     trees = list(trace_trees(trace))
     held_traces = [load_trace(path, key="held_out") for path in cfg.held_out]
-    for path, held_trace in zip(cfg.held_out, held_traces):
-        if _model_of(held_trace) != _model_of(trace):
-            note_once(f"held_out trace {path} was recorded with another model ({_model_of(held_trace)[0]}) than "
-                      f"trace.path={cfg.trace.path} ({_model_of(trace)[0]}): its scores measure how the fit transfers")
+    model = _model_of(trace)
+    for path, held_model in zip(cfg.held_out, map(_model_of, held_traces)):
+        if held_model != model:
+            note_once(f"held_out trace {path} was recorded with another model ({held_model[0]}) than "
+                      f"trace.path={cfg.trace.path} ({model[0]}): its scores measure how the fit transfers")
     for note in dict.fromkeys(n for t in (trace, *held_traces) for n in t.notes):  # each once
         print(f"note: {note}")
     if cfg.held_out:

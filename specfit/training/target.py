@@ -583,12 +583,17 @@ def train_target(cfg: TrainTargetConfig) -> Path:
     return out
 
 
-def _check_saved_target(path: str, key: str = "init_from") -> None:
+def _check_saved_target(path: str, key: str = "init_from") -> dict[str, Any]:
     """``key`` (``init_from``, train-drafter's ``target_dir``, eval-target's ``model_dir``) must be a
-    directory written by train-target (it holds config.json)."""
-    if not (Path(path).expanduser() / "config.json").is_file():
+    directory written by train-target (it holds config.json); returns that config, which the callers
+    check their settings against before any weights load."""
+    from specfit.files import read_json_object
+
+    config = Path(path).expanduser() / "config.json"
+    if not config.is_file():
         raise ConfigError(f"{key}={path}: no config.json there, so no saved model; name a directory written by "
                           "train-target (or specfit/assets/demo/target)")
+    return read_json_object(config, f"{key}={path}: config.json")
 
 
 def init_from_saved(model: Any, path: str) -> None:
@@ -744,12 +749,9 @@ def evaluate_target(model_dir: str | os.PathLike[str], data_dir: str | os.PathLi
 def _check_eval_model(model_dir: str, seq_len: int) -> None:
     """``model_dir`` is a saved model whose context holds ``seq_len`` tokens (before minutes of work)."""
     from specfit.core.loading import check_source
-    from specfit.files import read_json_object
 
     check_source(model_dir, "model_dir")
-    _check_saved_target(model_dir, "model_dir")
-    config = read_json_object(Path(model_dir).expanduser() / "config.json", f"model_dir={model_dir}: config.json")
-    context = config.get("max_position_embeddings")
+    context = _check_saved_target(model_dir, "model_dir").get("max_position_embeddings")
     if isinstance(context, int) and not isinstance(context, bool) and seq_len > context:
         raise ConfigError(f"seq_len={seq_len} exceeds the model's context: max_position_embeddings={context} "
                           f"in {model_dir}/config.json")
