@@ -35,6 +35,8 @@ commands:
              train a BPE tokenizer, a Qwen3-MoE target, an EAGLE-3 head (for any supported MoE target)
   eval-target  held-out perplexity against a unigram baseline, and repetition in greedy output
              (out=FILE; default: evaluation.json in the run directory):  specfit eval-target model_dir=DIR
+  distill-data  the target's greedy continuations of training-split prompts, as .npy rows for
+             train-drafter's train_files (self-distillation):  specfit distill-data target_dir=DIR out=F.npy
   fit-acceptance  fit the learned acceptance model on a trace, score every estimator on held-out ones:
              specfit fit-acceptance trace.path=DIR held_out=[DIR2]
 
@@ -52,6 +54,7 @@ TRAIN_COMMANDS: dict[str, tuple[str, str, str]] = {
     "train-target": ("specfit.training.target", "TrainTargetConfig", "train_target"),
     "train-drafter": ("specfit.training.drafter", "TrainDrafterConfig", "train_drafter"),
     "eval-target": ("specfit.training.target", "EvalTargetConfig", "eval_target"),
+    "distill-data": ("specfit.training.distill", "DistillDataConfig", "distill_data"),
     "fit-acceptance": ("specfit.commands.fit_acceptance", "FitAcceptanceConfig", "fit_acceptance"),
 }
 

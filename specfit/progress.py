@@ -35,7 +35,7 @@ class LineProgress:
 
     def update(self, n: int = 1) -> None:
         self.n += n
-        if self.n % self.every == 0 or self.n >= self.total:
+        if self.n // self.every > (self.n - n) // self.every or self.n >= self.total:  # crossed a multiple
             seconds = time.perf_counter() - self.start
             print(f"{self.desc}: {self.n}/{self.total} {self.unit}s, {seconds:.0f} s{self.postfix}",
                   file=sys.stderr, flush=True)

@@ -125,4 +125,9 @@ def test_progress_off_a_terminal_is_one_line_per_step(capsys):
         bar.update()
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2 and lines[1].startswith("train: 20/100 steps") and lines[1].endswith("loss=1.5")
+    bar = progress(100, "distill", unit="prompt", every=20)
+    for _ in range(4):
+        bar.update(32)  # batches: a line when a multiple of 20 is passed, and at the end
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(",")[0] for line in lines] == [f"distill: {n}/100 prompts" for n in (32, 64, 96, 128)]
     assert progress(4, "quiet", disable=True).disable  # progress=false: a disabled tqdm, nothing printed

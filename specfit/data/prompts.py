@@ -13,13 +13,26 @@ import os
 import numpy as np
 
 from specfit.data.corpus import load_corpus
-from specfit.data.gsm import HELDOUT_TEMPLATES, format_prompt, generate_problems
+from specfit.data.gsm import HELDOUT_TEMPLATES, TRAIN_TEMPLATES, format_prompt, generate_problems
+from specfit.errors import ConfigError
+
+#: The splits prompts are drawn from: ``heldout`` for benchmarks and evaluations, ``train`` for
+#: training data made from prompts (``specfit distill-data``).
+SPLITS = ("heldout", "train")
 
 
-def prose_prompts(data_dir: str | os.PathLike[str] | None, n: int, chars: int, seed: int = 0) -> list[str]:
-    """``n`` passages of about ``chars`` characters from the held-out documents (in turn), starting
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ConfigError(f"split={split!r} is not one of {', '.join(SPLITS)}")
+
+
+def prose_prompts(data_dir: str | os.PathLike[str] | None, n: int, chars: int, seed: int = 0,
+                  split: str = "heldout") -> list[str]:
+    """``n`` passages of about ``chars`` characters from the split's documents (in turn), starting
     and ending on line boundaries at seeded positions."""
-    docs = [text for _, text in load_corpus(data_dir).heldout]
+    _check_split(split)
+    corpus = load_corpus(data_dir)
+    docs = [text for _, text in (corpus.heldout if split == "heldout" else corpus.train)]
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
@@ -31,11 +44,13 @@ def prose_prompts(data_dir: str | os.PathLike[str] | None, n: int, chars: int, s
     return out
 
 
-def gsm_prompts(data_dir: str | os.PathLike[str] | None, n: int, seed: int = 0) -> list[str]:
-    """``n`` questions generated from the held-out templates (0064-0079), each ending in ``Answer:``."""
+def gsm_prompts(data_dir: str | os.PathLike[str] | None, n: int, seed: int = 0, split: str = "heldout") -> list[str]:
+    """``n`` questions generated from the split's templates (held out: 0064-0079), each ending in ``Answer:``."""
+    _check_split(split)
     if n <= 0:
         return []
-    per_template = math.ceil(n / len(HELDOUT_TEMPLATES))
-    problems = generate_problems(data_dir, HELDOUT_TEMPLATES, per_template, seed=seed)
+    templates = HELDOUT_TEMPLATES if split == "heldout" else TRAIN_TEMPLATES
+    per_template = math.ceil(n / len(templates))
+    problems = generate_problems(data_dir, templates, per_template, seed=seed)
     order = np.random.default_rng(seed).permutation(len(problems))
     return [format_prompt(problems[i]) for i in order[:n]]

@@ -151,7 +151,7 @@ def read_text_files(paths: Sequence[str]) -> list[tuple[str, str]]:
 # Trainer config fields that may be 0 (every other number must be positive); fractions in [0, 1).
 _MAY_BE_ZERO = {"seed", "gsm_seed", "warmup_steps", "weight_decay", "router_aux_loss_coef", "grad_clip",
                 "min_lr_ratio", "beta1", "beta2", "step_weight_decay", "gsm_per_template", "initializer_range",
-                "eval_windows", "eval_prompts", "max_windows", "n_prompts"}  # 0: no evaluation of that kind
+                "eval_windows", "eval_prompts", "max_windows", "n_prompts", "gsm_share"}  # 0: no evaluation of that kind
 _FRACTIONS = {"min_lr_ratio", "beta1", "beta2"}
 
 
