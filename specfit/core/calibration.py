@@ -23,6 +23,7 @@ time saved would make compute look faster than it is (the replay models that ove
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -183,10 +184,10 @@ def setup_fingerprint(engine: Any) -> dict[str, Any]:
     """What the constants depend on: model, dtype, device, cache, copy engine, drafter, machine.
 
     ``model_head`` is the model's own EAGLE-3 head (``model.draft_head``); a drafter that uses it
-    has it as its ``path``, recorded as ``head: null`` as before, so stored calibrations keep
-    their file names."""
+    has it as its ``path``, recorded as ``head: null``; ``weights`` tells heads at one path apart."""
     model_head = engine.info.get("draft_head")
     head = getattr(engine.drafter, "path", None)
+    weights = head_weights_digest(head if head and head != "random" else None)
     return {
         "model": str(engine.info.get("model", type(engine.model).__name__)),
         "dtype": str(engine.spec.dtype),
@@ -204,10 +205,42 @@ def setup_fingerprint(engine: Any) -> dict[str, Any]:
         # drafting costs depend on the drafter's settings, not only on its kind
         "drafter": {"name": engine.drafter.name, "depth": engine.drafter.depth, "total_tokens": engine.drafter.total_tokens,
                     "top_k": getattr(engine.drafter, "top_k", None), "head": None if head == model_head else head,
-                    "model_head": model_head},
+                    "model_head": model_head,
+                    # a head retrained in place (the same path) is another setup: its acceptance differs,
+                    # so the gate and estimator state stored for the old one must not carry over
+                    **({"weights": weights} if weights else {})},
         "machine": {"node": platform.node(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count()},
     }
+
+
+def head_weights_digest(directory: str | None) -> str | None:
+    """A short digest of a head directory's weight files, or None (no directory, no weights).
+
+    Each file's size and its first and last MiB, so a head of gigabytes is not read whole on every
+    build; a retrained head of the same shape differs in both. Cached per (path, size, mtime)."""
+    if not directory:
+        return None
+    folder = Path(directory).expanduser()
+    try:
+        files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
+        stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    except OSError:
+        return None
+    return _digest(str(folder.resolve()), stamp) if files else None
+
+
+@functools.lru_cache(maxsize=32)
+def _digest(folder: str, stamp: tuple[tuple[str, int, int], ...]) -> str:
+    h = hashlib.sha1()
+    for name, size, _ in stamp:
+        h.update(f"{name}:{size}".encode())
+        with open(Path(folder) / name, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(-(1 << 20), os.SEEK_END)
+                h.update(fh.read())
+    return h.hexdigest()[:12]
 
 
 #: Version of the fit that produced a stored calibration. A stored file of an older fit is measured

@@ -652,3 +652,19 @@ def test_history_counts_a_prompt_at_once_as_it_would_token_by_token(max_keys):
         assert list(a) == list(b)
         assert all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in a)
     assert np.array_equal(batched.overall, looped.overall) and batched._last_token == looped._last_token
+
+
+def test_a_head_retrained_in_place_is_another_setup(tmp_path):
+    """The gate's and the estimator's stored state belong to one head: the same path with other
+    weights must get another setup hash, the same weights the same one."""
+    from specfit.core.calibration import head_weights_digest
+
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text("{}")
+    assert head_weights_digest(str(head)) is None and head_weights_digest(None) is None  # no weights
+    (head / "model.safetensors").write_bytes(bytes(range(256)) * 4096)
+    first = head_weights_digest(str(head))
+    assert first == head_weights_digest(str(head))
+    (head / "model.safetensors").write_bytes(bytes(reversed(range(256))) * 4096)  # same size, retrained
+    assert head_weights_digest(str(head)) not in (None, first)
