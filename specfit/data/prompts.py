@@ -21,7 +21,8 @@ from specfit.errors import ConfigError
 SPLITS = ("heldout", "train")
 
 
-def _check_split(split: str) -> None:
+def check_split(split: str) -> None:
+    """A :class:`ConfigError` naming ``split`` unless it is one of :data:`SPLITS`."""
     if split not in SPLITS:
         raise ConfigError(f"split={split!r} is not one of {', '.join(SPLITS)}")
 
@@ -30,7 +31,7 @@ def prose_prompts(data_dir: str | os.PathLike[str] | None, n: int, chars: int, s
                   split: str = "heldout") -> list[str]:
     """``n`` passages of about ``chars`` characters from the split's documents (in turn), starting
     and ending on line boundaries at seeded positions."""
-    _check_split(split)
+    check_split(split)
     corpus = load_corpus(data_dir)
     docs = [text for _, text in (corpus.heldout if split == "heldout" else corpus.train)]
     rng = np.random.default_rng(seed)
@@ -46,7 +47,7 @@ def prose_prompts(data_dir: str | os.PathLike[str] | None, n: int, chars: int, s
 
 def gsm_prompts(data_dir: str | os.PathLike[str] | None, n: int, seed: int = 0, split: str = "heldout") -> list[str]:
     """``n`` questions generated from the split's templates (held out: 0064-0079), each ending in ``Answer:``."""
-    _check_split(split)
+    check_split(split)
     if n <= 0:
         return []
     templates = HELDOUT_TEMPLATES if split == "heldout" else TRAIN_TEMPLATES

@@ -55,11 +55,10 @@ class DistillDataConfig:
     threads: int = 2
 
     def __post_init__(self) -> None:
-        from specfit.data.prompts import SPLITS
+        from specfit.data.prompts import check_split
 
         check_trainer_config(self)
-        if self.split not in SPLITS:
-            raise ConfigError(f"split={self.split!r} is not one of {', '.join(SPLITS)}")
+        check_split(self.split)
         if self.gsm_share > 1.0:
             raise ConfigError(f"gsm_share={self.gsm_share} must be in [0, 1]")
         if self.seq_len <= self.min_new_tokens:
@@ -100,12 +99,10 @@ def greedy_rows(model: Any, prompts: Sequence[Sequence[int]], seq_len: int, batc
                 x = torch.tensor([list(prompts[i]) for i in idx], dtype=torch.long, device=model.device)
                 out = model(input_ids=x, use_cache=True)
                 tokens = [x]
-                for _ in range(seq_len - length):
-                    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-                    tokens.append(nxt)
-                    if sum(t.shape[1] for t in tokens) == seq_len:
-                        break
-                    out = model(input_ids=nxt, cache=out.cache, use_cache=True)
+                for step in range(seq_len - length):
+                    if step:
+                        out = model(input_ids=tokens[-1], cache=out.cache, use_cache=True)
+                    tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
                 rows[idx] = torch.cat(tokens, dim=1).cpu().numpy()
                 if progress is not None:
                     progress.update(len(idx))
@@ -121,18 +118,14 @@ def _cut(ids: list[int], keep: int) -> list[int]:
 
 def distill_data(cfg: DistillDataConfig) -> Path:
     """Write ``cfg.out`` (rows of prompt + greedy continuation) and a JSON summary beside it."""
-    from specfit.core.loading import check_source, load_tokenizer
+    from specfit.core.loading import load_tokenizer
     from specfit.files import check_writable
     from specfit.training.drafter import _set_threads, load_frozen_target
-    from specfit.training.target import _check_saved_target, repeated_ngram_fraction
+    from specfit.training.target import check_model_context, repeated_ngram_fraction
     from specfit.validation import device_arg
 
     device_arg(cfg.device, key="device")
-    check_source(cfg.target_dir, "target_dir")
-    context = _check_saved_target(cfg.target_dir, "target_dir").get("max_position_embeddings")
-    if isinstance(context, int) and not isinstance(context, bool) and cfg.seq_len > context:
-        raise ConfigError(f"seq_len={cfg.seq_len} exceeds the target's context: max_position_embeddings={context} "
-                          f"in {cfg.target_dir}/config.json")
+    check_model_context(cfg.target_dir, cfg.seq_len, key="target_dir")
     out = check_writable(cfg.out, "out")
     _set_threads(cfg.threads)
     tokenizer = load_tokenizer(cfg.target_dir, "target_dir", required=True)

@@ -703,7 +703,7 @@ def evaluate_target(model_dir: str | os.PathLike[str], data_dir: str | os.PathLi
     import torch
     from transformers import AutoModelForCausalLM
 
-    _check_eval_model(str(model_dir), seq_len)
+    check_model_context(str(model_dir), seq_len)
     _set_threads(threads)
     model_dir = Path(model_dir)
     tokenizer = load_tokenizer(model_dir, "model_dir", required=True)
@@ -746,12 +746,13 @@ def evaluate_target(model_dir: str | os.PathLike[str], data_dir: str | os.PathLi
     return result
 
 
-def _check_eval_model(model_dir: str, seq_len: int) -> None:
-    """``model_dir`` is a saved model whose context holds ``seq_len`` tokens (before minutes of work)."""
+def check_model_context(model_dir: str, seq_len: int, key: str = "model_dir") -> None:
+    """``model_dir`` (the setting ``key``) is a saved model whose context holds ``seq_len`` tokens
+    (before minutes of work)."""
     from specfit.core.loading import check_source
 
-    check_source(model_dir, "model_dir")
-    context = _check_saved_target(model_dir, "model_dir").get("max_position_embeddings")
+    check_source(model_dir, key)
+    context = _check_saved_target(model_dir, key).get("max_position_embeddings")
     if isinstance(context, int) and not isinstance(context, bool) and seq_len > context:
         raise ConfigError(f"seq_len={seq_len} exceeds the model's context: max_position_embeddings={context} "
                           f"in {model_dir}/config.json")

@@ -76,7 +76,7 @@ def test_bad_settings_name_the_key(overrides, message):
 
 
 def test_a_row_past_the_targets_context_is_named(tmp_path):
-    with pytest.raises(ConfigError, match="seq_len=4096 exceeds the target's context: max_position_embeddings=2048"):
+    with pytest.raises(ConfigError, match="seq_len=4096 exceeds the model's context: max_position_embeddings=2048"):
         distill_data(DistillDataConfig(target_dir=str(DEMO_TARGET), out=str(tmp_path / "r.npy"), seq_len=4096))
 
 
