@@ -251,11 +251,19 @@ def heldout_documents(data_dir: str | os.PathLike[str] | None, gsm_per_template:
 
 
 class WindowSampler:
-    """Deterministic packed windows: batch ``step`` is a pure function of (seed, step)."""
+    """Deterministic packed windows: batch ``step`` is a pure function of (seed, step).
+
+    Documents are shuffled per epoch, joined and cut into ``seq_len`` windows, except token rows
+    (kind ``tokens``, e.g. ``specfit distill-data``'s prompt-and-continuation rows) whose length is a
+    multiple of ``seq_len``: they are cut on their own, so a window holds a continuation with the
+    prompt that produced it instead of the tail of one row and the start of another.
+    """
 
     def __init__(self, data: TokenData, seq_len: int, batch_size: int, seed: int) -> None:
         self.data, self.seq_len, self.batch_size, self.seed = data, seq_len, batch_size, seed
-        self.windows_per_epoch = len(data.tokens) // seq_len
+        lengths = np.diff(data.offsets)
+        self._whole = np.array([kind == "tokens" for kind in data.kinds], dtype=bool) & (lengths % seq_len == 0)
+        self.windows_per_epoch = int(lengths[self._whole].sum() // seq_len + lengths[~self._whole].sum() // seq_len)
         if self.windows_per_epoch < batch_size:
             raise ConfigError(f"training data ({len(data.tokens)} tokens) is smaller than one batch "
                              f"({batch_size} x {seq_len})")
@@ -268,9 +276,11 @@ class WindowSampler:
             return
         rng = np.random.default_rng([self.seed, epoch])
         doc_order = rng.permutation(len(self.data))
-        offs = self.data.offsets
-        stream = np.concatenate([self.data.tokens[offs[i]:offs[i + 1]] for i in doc_order])
-        self._stream = stream[: self.windows_per_epoch * self.seq_len].reshape(-1, self.seq_len)
+        packed = [self.data.doc(i) for i in doc_order if not self._whole[i]]
+        stream = np.concatenate(packed) if packed else np.zeros(0, dtype=self.data.tokens.dtype)
+        packed_windows = stream[: len(stream) // self.seq_len * self.seq_len].reshape(-1, self.seq_len)
+        whole = [self.data.doc(i).reshape(-1, self.seq_len) for i in doc_order if self._whole[i]]
+        self._stream = np.concatenate([*whole, packed_windows]) if whole else packed_windows
         self._order = rng.permutation(self.windows_per_epoch)
         self._epoch = epoch
 

@@ -149,6 +149,21 @@ def test_window_sampler_is_deterministic_and_covers_epoch():
     assert sorted(epoch.reshape(-1).tolist()) == sorted(tokens.tolist())
 
 
+def test_token_rows_of_whole_windows_are_never_split():
+    """Rows of ``seq_len`` tokens (distill-data's prompt + continuation) are windows of their own;
+    text documents around them are packed as before, and an epoch still covers every token once."""
+    text = (np.arange(233, dtype=np.int32) % 50) + 1000  # ids 1000-1049: never inside a row
+    rows = np.arange(60, dtype=np.int32).reshape(6, 10)  # six rows, ids 0-59: each its own window
+    tokens = np.concatenate([text[:117], rows.ravel(), text[117:]])
+    offsets = np.array([0, 117, *range(127, 178, 10), 293])
+    data = TokenData(tokens, offsets, ["prose", *["tokens"] * 6, "gsm"])
+    sampler = WindowSampler(data, 10, 4, seed=1)
+    assert sampler.windows_per_epoch == 6 + 23
+    windows = {tuple(w) for step in range(7) for w in sampler.batch(step)}  # 28 of the 29 windows
+    row_windows = [w for w in windows if min(w) < 1000]
+    assert all(w in {tuple(r) for r in rows} for w in row_windows) and len(row_windows) >= 5
+
+
 def test_eval_windows_and_repeat_metric(tiny_setup):
     tok = load_tokenizer(tiny_setup["tok"])
     w = eval_windows(tok, [("a", "the king said unto him " * 20)], seq_len=16)
