@@ -141,9 +141,10 @@ def config_from_dict(d: dict[str, Any]) -> TrainDrafterConfig:
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """HF ``hidden_states`` indices the drafter uses when a head names none (keep in step with it)."""
-    n = num_layers
-    return [2, n // 2, n - 3] if n >= 4 else [min(2, n), n // 2 or 1, max(n - 3, 1)]
+    """HF ``hidden_states`` indices the drafter uses when a head names none."""
+    from specfit.plugins.drafters.eagle3.drafter import default_feature_layers
+
+    return default_feature_layers(num_layers)
 
 
 @dataclass
@@ -597,7 +598,7 @@ def train_drafter(cfg: TrainDrafterConfig) -> Path:
         log.write(event="resume", step=step, tokens=tokens_seen)
     else:
         if cfg.init_from:
-            _init_from(head, cfg.init_from)
+            _init_from(head, cfg.init_from, layers, model.config.num_hidden_layers)
         log.write(event="start", init_from=cfg.init_from, head_parameters=sum(p.numel() for p in head.parameters()),
                   draft_vocab_size=vocab.size, feature_layers=layers, train_tokens=int(len(data.tokens)),
                   tokens_planned=cfg.max_steps * cfg.batch_size * cfg.seq_len)
@@ -678,13 +679,20 @@ def train_drafter(cfg: TrainDrafterConfig) -> Path:
     return out
 
 
-def _init_from(head: Any, path: str) -> None:
-    """Start ``head`` from the weights of the head saved at ``path`` (same shape and vocabulary)."""
+def _init_from(head: Any, path: str, layers: Sequence[int], num_layers: int) -> None:
+    """Start ``head`` from the weights of the head saved at ``path`` (same shape and vocabulary, and
+    the same target layers: fc's shape is the same for any three, so a mismatch would go unnoticed)."""
     import torch
 
     from specfit.plugins.drafters.eagle3.checkpoint import load_head
+    from specfit.plugins.drafters.eagle3.drafter import head_feature_layers
 
-    saved = load_head(path).state_dict()
+    loaded = load_head(path)
+    fused = list(head_feature_layers(loaded.cfg, num_layers))
+    if fused != list(layers):
+        raise ConfigError(f"init_from={path}: that head fuses the target's hidden_states {fused}, this run "
+                          f"{list(layers)}: set aux_layers=[{','.join(map(str, fused))}]")
+    saved = loaded.state_dict()
     own = head.state_dict()
     bad = sorted(k for k in own if k in saved and own[k].shape != saved[k].shape)
     missing = sorted(k for k in own if k not in saved and not k.startswith("rotary."))

@@ -220,6 +220,12 @@ def test_init_from_starts_at_the_saved_head_and_continues_training(patterned, tr
     with pytest.raises(ValueError, match="init_from"):
         train_drafter(_config(patterned, tmp_path / "bad", init_from=str(trained_head), max_steps=1,
                               draft_vocab_size=48))
+    # other target layers give fc the same shape: named, not continued on the wrong features
+    fused = list(load_head(trained_head).cfg.aux_layer_ids or [])
+    other = [1, 1, 1] if [i + 1 for i in fused] != [1, 1, 1] else [2, 2, 2]
+    with pytest.raises(ValueError, match=r"init_from=.*hidden_states.*set aux_layers="):
+        train_drafter(_config(patterned, tmp_path / "layers", init_from=str(trained_head), max_steps=1,
+                              aux_layers=other))
 
 
 def test_token_budget_and_text_files_with_the_target_tokenizer(tmp_path):

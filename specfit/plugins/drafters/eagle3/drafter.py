@@ -24,6 +24,25 @@ from specfit.plugins.drafters.eagle3.head import Eagle3Head
 from specfit.validation import integer, optional_integer
 
 
+def head_feature_layers(cfg: Any, n: int) -> tuple[int, ...]:
+    """HF hidden-state indices a head fuses on an ``n``-layer target: the last one alone
+    (use_aux_hidden_state: false), the configured ids (shifted by their convention's offset), or
+    EAGLE's default three."""
+    if not cfg.use_aux_hidden_state:
+        return (n,)
+    if cfg.aux_layer_ids:
+        layers = [i + cfg.aux_layer_offset for i in cfg.aux_layer_ids]
+        if max(layers) > n or min(layers) < 0:
+            raise ModelError(f"EAGLE-3 head eagle_aux_hidden_state_layer_ids {cfg.aux_layer_ids} do not fit a {n}-layer target")
+        return tuple(layers)
+    return tuple(default_feature_layers(n))
+
+
+def default_feature_layers(n: int) -> list[int]:
+    """EAGLE-3's three HF hidden-state indices for a head that names none: low, middle, high."""
+    return [2, n // 2, n - 3] if n >= 4 else [min(2, n), n // 2 or 1, max(n - 3, 1)]
+
+
 @dataclass
 class Eagle3DrafterConfig(DrafterConfig):
     name: str = "eagle3"
@@ -120,20 +139,7 @@ class Eagle3Drafter(DrafterBase):
             self.head.set_target_embedding(model.get_input_embeddings())
         if self.head.lm_head is None:  # a head saved without lm_head: the target's rows of its draft vocabulary
             self.head.set_target_lm_head(model.get_output_embeddings())
-        self._layers = self._feature_layers(cfg, tc.num_hidden_layers)
-
-    @staticmethod
-    def _feature_layers(cfg: Any, n: int) -> tuple[int, ...]:
-        """HF hidden-state indices the head fuses: the last one alone (use_aux_hidden_state: false), the
-        configured ids (shifted by their convention's offset), or EAGLE's default three."""
-        if not cfg.use_aux_hidden_state:
-            return (n,)
-        if cfg.aux_layer_ids:
-            layers = [i + cfg.aux_layer_offset for i in cfg.aux_layer_ids]
-            if max(layers) > n or min(layers) < 0:
-                raise ModelError(f"EAGLE-3 head eagle_aux_hidden_state_layer_ids {cfg.aux_layer_ids} do not fit a {n}-layer target")
-            return tuple(layers)
-        return tuple([2, n // 2, n - 3] if n >= 4 else [min(2, n), n // 2 or 1, max(n - 3, 1)])
+        self._layers = head_feature_layers(cfg, tc.num_hidden_layers)
 
     def feature_layers(self) -> Sequence[int]:
         return self._layers
