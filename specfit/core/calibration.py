@@ -237,8 +237,8 @@ def _digest(folder: str, stamp: tuple[tuple[str, int, int], ...]) -> str:
         h.update(f"{name}:{size}".encode())
         with open(Path(folder) / name, "rb") as fh:
             h.update(fh.read(1 << 20))
-            if size > 2 << 20:
-                fh.seek(-(1 << 20), os.SEEK_END)
+            if size > 1 << 20:  # the last MiB, or what the first left (a file of 1-2 MiB is read whole)
+                fh.seek(max(1 << 20, size - (1 << 20)))
                 h.update(fh.read())
     return h.hexdigest()[:12]
 

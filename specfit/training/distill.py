@@ -132,6 +132,10 @@ def distill_data(cfg: DistillDataConfig) -> Path:
     prompts = training_prompts(cfg)
     keep = cfg.seq_len - cfg.min_new_tokens
     ids = [_cut(tokenizer(text, add_special_tokens=False)["input_ids"], keep) for _, text in prompts]
+    empty = [i for i, p in enumerate(ids) if not p]
+    if empty:  # a degenerate passage (whitespace the tokenizer drops): one line, not a ValueError deep down
+        raise ConfigError(f"{len(empty)} of the prompts tokenize to nothing (the first: {prompts[empty[0]][1]!r:.60}); "
+                          "check data_dir's text or raise prose_chars")
     model = load_frozen_target(cfg.target_dir, cfg.target_dtype, cfg.device)
 
     began = time.perf_counter()

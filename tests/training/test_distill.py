@@ -44,6 +44,15 @@ def test_prompts_come_from_the_split_asked_for():
     assert [k for k, _ in train] == ["prose"] * 4 + ["gsm"] * 4
     assert not {t for _, t in train} & {t for _, t in heldout}
     assert all(t.rstrip().endswith("Answer:") for k, t in train if k == "gsm")
+    from specfit.data.corpus import load_corpus
+
+    corpus = load_corpus()  # each prose prompt lies in a document of its own split, and of no other
+    for split, prompts in (("train", train), ("heldout", heldout)):
+        own = corpus.train if split == "train" else corpus.heldout
+        other = corpus.heldout if split == "train" else corpus.train
+        for kind, text in prompts:
+            if kind == "prose":
+                assert any(text in doc for _, doc in own) and not any(text in doc for _, doc in other)
 
 
 def test_distill_data_writes_rows_and_a_summary(tmp_path, monkeypatch, capsys):
