@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rebuilds the shipped demo pair (specfit/assets/demo) from ../shared/data, as recorded in
-# docs/model-card.md. On 2 CPU cores: tokenizer ~1 min, target ~1.4 h, head ~40 min + ~75 min + ~20 min continued + ~6 min distillation data + ~15 min mixed; on a GPU, minutes.
+# docs/model-card.md. On 2 CPU cores: tokenizer ~1 min, target ~1.4 h, head ~40 min + ~75 min + ~20 min continued + ~5 min distillation data + ~15 min mixed; on a GPU, minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SPECFIT=${SPECFIT:-.venv/bin/specfit}
@@ -23,8 +23,10 @@ $SPECFIT train-drafter target_dir=specfit/assets/demo/target out_dir=runs/demo-e
     lr=3e-4 warmup_steps=20 seed=2 threads=$THREADS
 .venv/bin/python -m specfit.training.export runs/demo-target runs/demo-eagle3-cont2 specfit/assets/demo
 # issue 15 (2026-12-06): the target's own greedy continuations of training-split prompts
-# (self-distillation, as EAGLE's regenerated data), mixed 3:1 with the corpus, 600 steps from the shipped head
-$SPECFIT distill-data target_dir=specfit/assets/demo/target out=runs/distill/train.npy num_prompts=3072 batch_size=64
+# (self-distillation, as EAGLE's regenerated data): the rows three times over (2.36 M tokens) beside
+# the corpus (4.2 M), 600 steps from the shipped head
+$SPECFIT distill-data target_dir=specfit/assets/demo/target out=runs/distill/train.npy num_prompts=3072 batch_size=64 \
+    threads=$THREADS
 $SPECFIT train-drafter target_dir=specfit/assets/demo/target out_dir=runs/demo-eagle3-mix \
     init_from=specfit/assets/demo/eagle3 aux_layers=[2,4,5] \
     train_files=[runs/distill/train.npy,runs/distill/train.npy,runs/distill/train.npy] include_builtin_data=true \
