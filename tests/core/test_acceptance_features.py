@@ -290,3 +290,40 @@ def test_a_state_of_the_earlier_features_is_ignored_or_refused(tmp_path):
     file.write_text(json.dumps({"state": state}))
     with pytest.raises(ConfigError, match="not a learned acceptance model of the features .*root_prob"):
         LearnedAcceptance(state_file=str(file)).bind(None)
+
+
+def test_learned_tells_tokens_the_head_drafts_well_from_those_it_does_not():
+    """Identical trees but for the first child's token: token 1 is accepted 90% of the time, token
+    7 never. Draft probabilities cannot tell them apart; the token's own record can, and it
+    survives the state's round trip."""
+    rng = np.random.default_rng(0)
+    learned = LearnedAcceptance()
+    for i in range(200):
+        tree = feature_tree()
+        good = i % 2 == 0
+        tree.tokens[0] = 1 if good else 7
+        tree.greedy_next = 99
+        learned.observe(tree, [], [0] if good and rng.random() < 0.9 else [])
+    good, bad, unseen = feature_tree(), feature_tree(), feature_tree()
+    bad.tokens[0], unseen.tokens[0] = 7, 50
+    rate = learned.token_rates.lookup([1, 7, 50])
+    assert rate[0] > 0 > rate[1] and rate[2] == 0  # never settled: no evidence either way
+    assert learned.estimate(good)[0] > 3 * learned.estimate(bad)[0]
+    assert learned.weights[FEATURES.index("token_rate")] > 0.3
+    restored = LearnedAcceptance()
+    restored.load_state(json.loads(json.dumps(learned.state())))
+    np.testing.assert_allclose(restored.estimate(bad), learned.estimate(bad))
+
+
+def test_token_rates_are_bounded_and_a_damaged_record_is_refused(tmp_path):
+    from specfit.errors import ConfigError
+    from specfit.plugins.acceptance.learned import TokenRates
+
+    rates = TokenRates(max_tokens=2)
+    rates.add([1, 2, 3, 1], np.array([True, False, True, True]))
+    assert sorted(rates.counts) == [1, 2] and rates.counts[1] == [2.0, 2.0] and rates.total == 4
+    state = LearnedAcceptance().state()
+    file = tmp_path / "damaged.json"
+    file.write_text(json.dumps({"state": {**state, "token_rates": {"counts": {"5": [3, 2]}, "hits": 0, "total": 0}}}))
+    with pytest.raises(ConfigError, match=r"state_file=.*token_rates entry '5'"):
+        LearnedAcceptance(state_file=str(file)).bind(None)
