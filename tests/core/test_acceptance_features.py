@@ -327,3 +327,15 @@ def test_token_rates_are_bounded_and_a_damaged_record_is_refused(tmp_path):
     file.write_text(json.dumps({"state": {**state, "token_rates": {"counts": {"5": [3, 2]}, "hits": 0, "total": 0}}}))
     with pytest.raises(ConfigError, match=r"state_file=.*token_rates entry '5'"):
         LearnedAcceptance(state_file=str(file)).bind(None)
+    trained = LearnedAcceptance()
+    trained.weights[0] = 0.5
+    for damaged in ({"counts": {"²": [1, 2]}, "hits": 1, "total": 2}, {"counts": {"-1": [1, 2]}, "hits": 1, "total": 2}):
+        ignored = LearnedAcceptance()  # the per-setup state: the whole of it ignored, relearned from w0
+        ignored.load_state({**trained.state(), "token_rates": damaged})
+        assert ignored.weights[0] == 0.0 and not ignored.token_rates.counts
+    without = LearnedAcceptance()  # a state without token rates: the weights, and no counts yet
+    without.load_state({k: v for k, v in trained.state().items() if k != "token_rates"})
+    assert without.weights[0] == 0.5 and not without.token_rates.counts
+    placeholder = TokenRates()
+    placeholder.add([-1, 4], np.array([True, True]))  # a placeholder id is never counted (its record could not be saved)
+    assert list(placeholder.counts) == [4]
