@@ -26,6 +26,11 @@ def is_int(value: Any) -> bool:
         return False
 
 
+def is_count(value: Any) -> bool:
+    """A finite number >= 0 read from a saved state (JSON): a decayed count, seconds; never a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
 def integer(key: str, value: Any, minimum: int | None = None) -> int:
     """``value`` as an int, at least ``minimum``."""
     if not is_int(value):

@@ -25,6 +25,7 @@ from specfit.core.search import SearchProblem, evaluate
 from specfit.core.tree import DraftTree
 from specfit.errors import ConfigError, PluginError
 from specfit.interfaces import Selection, SelectionContext, SelectorBase, SelectorConfig
+from specfit.validation import is_count
 from specfit.plugins.acceptance.calibrated import CalibratedAcceptance  # noqa: F401 - its earlier home
 
 
@@ -111,8 +112,7 @@ class DraftGate:
             # decayed count stays below 1 / (1 - decay), so this is at least the true count (a
             # probe's loss per cycle may be underestimated: the first probes may come sooner)
             values["spec_cycles"] = max(min(float(values["spec_tokens"]), 1.0 / (1.0 - self.decay)), 1.0)
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) and v >= 0
-                   for v in values.values()):
+        if not all(is_count(v) for v in values.values()):
             return
         for k in ("spec_tokens", "spec_seconds", "spec_cycles", "plain_passes", "plain_seconds"):
             setattr(self, k, float(values[k]))

@@ -140,13 +140,6 @@ def config_from_dict(d: dict[str, Any]) -> TrainDrafterConfig:
 # target features
 
 
-def default_aux_layers(num_layers: int) -> list[int]:
-    """HF ``hidden_states`` indices the drafter uses when a head names none."""
-    from specfit.plugins.drafters.eagle3.drafter import default_feature_layers
-
-    return default_feature_layers(num_layers)
-
-
 @dataclass
 class TargetBatch:
     """What the frozen target gives one batch of windows ``x`` [B, L]."""
@@ -441,7 +434,9 @@ def build_head(model: Any, cfg: TrainDrafterConfig, vocab: DraftVocab, layers: S
 
 def _resolve_layers(n: int, aux_layers: Sequence[int] | None) -> list[int]:
     """The three HF hidden_states indices the head fuses, for an ``n``-layer target."""
-    layers = list(aux_layers) if aux_layers else default_aux_layers(n)
+    from specfit.plugins.drafters.eagle3.drafter import default_feature_layers
+
+    layers = list(aux_layers) if aux_layers else default_feature_layers(n)
     if len(layers) != 3:
         raise ConfigError(f"aux_layers={layers}: an EAGLE-3 head fuses exactly three target layers")
     if min(layers) < 1 or max(layers) > n:

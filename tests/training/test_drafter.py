@@ -15,11 +15,12 @@ from safetensors.torch import load_file
 from specfit import Engine
 from specfit.plugins.drafters.eagle3.checkpoint import head_config_for, load_head, random_head
 from specfit.plugins.drafters.eagle3.drafter import Eagle3Drafter
+from specfit.plugins.drafters.eagle3.drafter import default_feature_layers
 from specfit.plugins.drafters.eagle3.head import KVBuffer
 from specfit.data.paths import default_data_dir
 from specfit.training.draft_vocab import build_draft_vocab, token_counts
 from specfit.training.drafter import (
-    TrainDrafterConfig, acceptance_length, default_aux_layers, target_batch, train_drafter, ttt_unroll,
+    TrainDrafterConfig, acceptance_length, target_batch, train_drafter, ttt_unroll,
 )
 
 VOCAB = 256
@@ -114,7 +115,7 @@ def test_ttt_unroll_equals_what_the_drafter_computes_along_a_chain(arch):
     head.set_target_embedding(model.get_input_embeddings())
     length, steps = 14, 4
     x = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(0))
-    tb = target_batch(model, x, default_aux_layers(model.config.num_hidden_layers), None)
+    tb = target_batch(model, x, default_feature_layers(model.config.num_hidden_layers), None)
     outs = ttt_unroll(head, tb.features, x, steps)
     assert [o.shape[1] for o in outs] == [length - 1 - i for i in range(steps)]
     worst = 0.0
@@ -154,7 +155,7 @@ def test_training_lowers_the_loss_and_raises_accuracy(trained_head):
 def test_saved_head_is_in_the_public_layout_and_drives_the_drafter_losslessly(patterned, trained_head):
     config = json.loads((trained_head / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == VOCAB
-    layers = default_aux_layers(4)
+    layers = default_feature_layers(4)
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in layers]
     state = load_file(str(trained_head / "model.safetensors"))
     assert "embed_tokens.weight" not in state and not state["d2t"].any() and state["t2d"].all()

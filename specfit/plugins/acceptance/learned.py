@@ -48,7 +48,7 @@ from specfit.core.acceptance_estimators import conditional
 from specfit.core.tree import ROOT
 from specfit.errors import ConfigError
 from specfit.interfaces import AcceptanceConfig, AcceptanceEstimatorBase, DraftTree
-from specfit.validation import integer, number
+from specfit.validation import integer, is_count, number
 
 FEATURES = ("bias", "logit_q", "top_sibling", "log_rank", "log_depth", "parent_path", "parent_confidence",
             "parent_entropy", "root_prob", "recent", "context_match", "context_other", "context_match_len",
@@ -164,16 +164,13 @@ class TokenRates:
 
 def _token_rates_problem(state: Any) -> str | None:
     """Why ``state`` is not a :class:`TokenRates` state, or None."""
-    def count(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and bool(np.isfinite(v)) and v >= 0
-
     if not isinstance(state, dict) or not isinstance(state.get("counts"), dict):
         return "token_rates must hold counts, hits and total"
-    if not (count(state.get("hits")) and count(state.get("total")) and state["hits"] <= state["total"]):
+    if not (is_count(state.get("hits")) and is_count(state.get("total")) and state["hits"] <= state["total"]):
         return "token_rates hits and total must be counts, hits <= total"
     for token, pair in state["counts"].items():
         if not (isinstance(token, str) and token.isascii() and token.isdecimal() and isinstance(pair, list) and len(pair) == 2
-                and count(pair[0]) and count(pair[1]) and pair[0] <= pair[1]):
+                and is_count(pair[0]) and is_count(pair[1]) and pair[0] <= pair[1]):
             return f"token_rates entry {token!r}: {pair!r} must be [accepted, settled] counts of a token id"
     return None
 
