@@ -24,7 +24,7 @@ from specfit.core.setup_state import attach_setup_state, state_path
 from specfit.core.tree import DraftTree, greedy_outcomes, verify_block
 from specfit.errors import ConfigError
 from specfit.plugins.acceptance.calibrated import CalibratedAcceptance
-from specfit.plugins.acceptance.learned import FEATURES, LearnedAcceptance
+from specfit.plugins.acceptance.learned import FEATURES, LearnedAcceptance, exclusive, features, initial_weights, map_weights
 from specfit.plugins.acceptance.path_prob import PathProbAcceptance
 from specfit.plugins.cost_models.union import UnionCostModel
 from specfit.plugins.predictors.history import HistoryPredictor
@@ -118,6 +118,41 @@ def test_an_untrained_learned_estimator_is_path_prob():
     for _ in range(5):
         tree = random_tree(rng)
         np.testing.assert_allclose(LearnedAcceptance().estimate(tree), tree.path_probs(), rtol=1e-5)
+
+
+def test_siblings_compete_for_their_parent_so_their_estimates_never_promise_more_than_one():
+    """At most one child of a node is accepted: whatever the weights, the conditional estimates of
+    siblings sum to at most 1 (independent sigmoids of the same weights exceed it)."""
+    rng = np.random.default_rng(3)
+    tree = random_tree(rng, depth=3)
+    learned = LearnedAcceptance()
+    learned.weights = initial_weights()
+    learned.weights[FEATURES.index("bias")] = 4.0  # confident of every child
+    conditional = learned.conditional_estimate(tree)
+    parents = np.asarray(tree.parents) + 1
+    sums = np.bincount(parents, weights=conditional)[np.unique(parents)]
+    assert np.all(sums <= 1.0 + 1e-12) and sums.max() > 0.9
+    z = features(tree, learned.recent, learned.root_logit(tree), token_rate=learned.token_rates) @ learned.weights
+    independent = 1 / (1 + np.exp(-z))
+    assert np.bincount(parents, weights=independent).max() > 1.5
+
+
+def test_the_competing_fit_recovers_its_weights_and_is_the_logistic_fit_for_only_children():
+    rng = np.random.default_rng(4)
+    true_w = np.array([-1.0, 2.0, 0.5])
+    groups = np.repeat(np.arange(3000), 3)
+    x = np.c_[np.ones(len(groups)), rng.normal(size=(len(groups), 2))]
+    p = exclusive(x @ true_w, groups)
+    y = np.zeros(len(groups))
+    for g in range(3000):  # one child of each group or none, with the model's probabilities
+        pick = rng.choice(4, p=np.r_[p[3 * g:3 * g + 3], 1 - p[3 * g:3 * g + 3].sum()])
+        if pick < 3:
+            y[3 * g + pick] = 1.0
+    fitted = map_weights(x, y, np.zeros(3), 1e-3 * np.eye(3), 25, groups)
+    np.testing.assert_allclose(fitted, true_w, atol=0.15)
+    alone = map_weights(x, y, np.zeros(3), np.eye(3), 25, np.arange(len(y)))
+    np.testing.assert_allclose(alone, map_weights(x, y, np.zeros(3), np.eye(3), 25), atol=1e-9)
+    np.testing.assert_allclose(exclusive(x @ true_w), 1 / (1 + np.exp(-(x @ true_w))), atol=1e-12)
 
 
 def test_learned_estimates_per_level_equal_the_whole_tree_and_never_rise_with_depth():
