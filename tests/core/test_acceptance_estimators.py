@@ -155,6 +155,19 @@ def test_the_competing_fit_recovers_its_weights_and_is_the_logistic_fit_for_only
     np.testing.assert_allclose(exclusive(x @ true_w), 1 / (1 + np.exp(-(x @ true_w))), atol=1e-12)
 
 
+def test_learning_from_the_features_estimate_built_equals_learning_from_scratch():
+    """observe reuses the features estimate computed for the same tree in the cycle."""
+    rng = np.random.default_rng(5)
+    reusing, fresh = LearnedAcceptance(), LearnedAcceptance()
+    for _ in range(20):
+        item = settled_tree(rng, p_top=0.7)
+        reusing.estimate(item.tree)
+        reusing.observe(item.tree, item.verified, item.accepted)
+        fresh.observe(item.tree, item.verified, item.accepted)
+    np.testing.assert_allclose(reusing.weights, fresh.weights, rtol=1e-12, atol=1e-12)
+    assert reusing.recent == fresh.recent
+
+
 def test_learned_estimates_per_level_equal_the_whole_tree_and_never_rise_with_depth():
     rng = np.random.default_rng(1)
     full = random_tree(rng, depth=5)

@@ -298,7 +298,8 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
         self.root_mean = 0.0  # running mean of logit(root_prob), decay recent_decay: the stand-in for unknown ones
         self.trees = 0  # trees learned from, this engine and earlier ones
         self.token_rates = TokenRates()
-        self._cache: tuple[DraftTree, np.ndarray] | None = None  # (tree, a_v so far) within a cycle
+        # (tree, a_v so far, their features) within a cycle: observe reuses the features
+        self._cache: tuple[DraftTree, np.ndarray, np.ndarray] | None = None
 
     def bind(self, spec: Any) -> None:
         """Load ``state_file`` when it names a file (``auto``: the setup's state is given by
@@ -320,30 +321,37 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
         """a_v = a_parent * P(v accepted | parent accepted). Within a cycle the model does not change
         and earlier levels keep their values, so each call computes only the levels added since the
         last call on the same tree."""
-        cached, a = self._cache if self._cache is not None else (None, np.zeros(0))
+        cached, a, x = self._cache if self._cache is not None else (None, np.zeros(0), np.zeros((0, len(FEATURES))))
         if cached is not tree or len(a) > len(tree):
-            a = np.zeros(0)
+            a, x = np.zeros(0), np.zeros((0, len(FEATURES)))
         if len(a) < len(tree):
             start = len(a)
             parents = np.asarray(tree.parents[start:], dtype=np.int64)
-            z = features(tree, self.recent, self.root_logit(tree), start, token_rate=self.token_rates) @ self.weights
-            new = exclusive(z, sibling_groups(parents))
-            a = np.concatenate([a, new])
+            new_x = features(tree, self.recent, self.root_logit(tree), start, token_rate=self.token_rates)
+            new = exclusive(new_x @ self.weights, sibling_groups(parents))
+            a, x = np.concatenate([a, new]), np.concatenate([x, new_x])
             for d in range(tree.depths[start], tree.depth + 1):  # parents sit on the level above
                 level = tree.level(d)
                 p = parents[level.start - start:level.stop - start]
                 a[level.start:level.stop] *= np.where(p == ROOT, 1.0, a[np.maximum(p, 0)])
-        self._cache = (tree, a)
+        self._cache = (tree, a, x)
         return a.copy()
 
     def observe(self, tree: DraftTree, verified: Sequence[int], accepted: Sequence[int]) -> None:
         nodes, hit = conditional(tree, verified, accepted)
         if not len(nodes):
             return
-        x = features(tree, self.recent, self.root_logit(tree), token_rate=self.token_rates)[nodes]
+        x = self._features(tree)[nodes]
         self.update(x, hit.astype(np.float64), sibling_groups(np.asarray(tree.parents)[nodes]))
         self._follow(tree, x, hit)
         self.token_rates.add([tree.tokens[v] for v in nodes], hit)
+
+    def _features(self, tree: DraftTree) -> np.ndarray:
+        """Every node's features: those :meth:`estimate` built for this tree in this cycle (the
+        state they read changes only after the tree is observed), else computed now."""
+        if self._cache is not None and self._cache[0] is tree and len(self._cache[2]) == len(tree):
+            return self._cache[2]
+        return features(tree, self.recent, self.root_logit(tree), token_rate=self.token_rates)
 
     def _follow(self, tree: DraftTree, x: np.ndarray, hit: np.ndarray) -> None:
         """After a tree's samples: the recent acceptance rate, and the running mean root probability."""
