@@ -110,7 +110,10 @@ def context_continuations(view: ContextView, tokens: Sequence[int], parents: Seq
         tails.append(((root if p < 0 else tails[p]) + (tokens[v],))[-width:])
     after = np.full(stop - start, -1, dtype=np.int64)
     length = np.zeros(stop - start, dtype=np.int64)
+    found: dict[int, tuple[int, int]] = {}  # per parent: siblings continue the same n-gram
     for i, v in enumerate(range(start, stop)):
         p = parents[v]
-        after[i], length[i] = view.longest(root if p < 0 else tails[p])
+        if p not in found:
+            found[p] = view.longest(root if p < 0 else tails[p])
+        after[i], length[i] = found[p]
     return after, length
