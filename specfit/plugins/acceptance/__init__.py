@@ -1,6 +1,6 @@
 """Built-in acceptance estimators (``acceptance=...``): path_prob (a_v = P_v, the default),
 calibrated (P_v corrected per depth and probability bin from observed acceptances), learned (a
-small online logistic model over features known at selection time); oracle (the recorded
+small online model over features known at selection time, siblings competing); oracle (the recorded
 outcomes of a trace replay, for analysis)."""
 
 from specfit.interfaces import hookimpl
