@@ -190,7 +190,7 @@ def exclusive(z: np.ndarray, group: np.ndarray | None = None) -> np.ndarray:
     """P(v accepted | parent accepted) = e^z_v / (1 + sum of e^z over v and its siblings): at most
     one child of a node is accepted, so siblings compete. ``group`` numbers the sibling groups
     (:func:`sibling_groups`); None: each node its own, which is the sigmoid of z."""
-    top, e, total = _group_sums(z, group)
+    _, e, total = _group_sums(z, group)
     return e / total
 
 
@@ -342,6 +342,8 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
         if not len(nodes):
             return
         x = self._features(tree)[nodes]
+        # after a sampled pass only verified siblings are settled: they are the group (the others
+        # could not be accepted); after a greedy pass every child of an accepted node is
         self.update(x, hit.astype(np.float64), sibling_groups(np.asarray(tree.parents)[nodes]))
         self._follow(tree, x, hit)
         self.token_rates.add([tree.tokens[v] for v in nodes], hit)
