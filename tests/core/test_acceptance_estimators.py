@@ -155,6 +155,22 @@ def test_the_competing_fit_recovers_its_weights_and_is_the_logistic_fit_for_only
     np.testing.assert_allclose(exclusive(x @ true_w), 1 / (1 + np.exp(-(x @ true_w))), atol=1e-12)
 
 
+def test_a_sampled_pass_teaches_only_through_sibling_sets_it_verified_whole():
+    """After a sampled pass only verified nodes are settled. The model's denominator holds every
+    drafted sibling, so a set verified in part is not learned from (it would bias the estimates
+    down: the target's acceptance of the top child does not depend on which siblings were
+    verified); a set verified whole is."""
+    rng = np.random.default_rng(6)
+    partial, whole = LearnedAcceptance(), LearnedAcceptance()
+    for _ in range(50):
+        tree = random_tree(rng)
+        top = [v for v in tree.level(1) if tree.log_probs[v] == max(tree.log_probs[u] for u in tree.level(1))][:1]
+        partial.observe(tree, verified=top, accepted=top)  # greedy_next is None: a sampled pass
+        whole.observe(tree, verified=list(tree.level(1)), accepted=top)
+    np.testing.assert_array_equal(partial.weights, initial_weights())
+    assert not np.allclose(whole.weights, initial_weights())
+
+
 def test_learning_from_the_features_estimate_built_equals_learning_from_scratch():
     """observe reuses the features estimate computed for the same tree in the cycle."""
     rng = np.random.default_rng(5)

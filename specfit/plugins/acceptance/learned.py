@@ -186,6 +186,14 @@ def sibling_groups(parents: np.ndarray) -> np.ndarray:
     return np.unique(np.asarray(parents, dtype=np.int64), return_inverse=True)[1].reshape(-1)
 
 
+def whole_sibling_sets(parents: Sequence[int], nodes: np.ndarray) -> np.ndarray:
+    """bool [len(nodes)]: whether every drafted child of the node's parent is among ``nodes``."""
+    key = np.asarray(parents, dtype=np.int64) + 1  # ROOT (-1) -> 0
+    drafted = np.bincount(key, minlength=len(key) + 1)
+    present = np.bincount(key[nodes], minlength=len(key) + 1)
+    return (present == drafted)[key[nodes]]
+
+
 def exclusive(z: np.ndarray, group: np.ndarray | None = None) -> np.ndarray:
     """P(v accepted | parent accepted) = e^z_v / (1 + sum of e^z over v and its siblings): at most
     one child of a node is accepted, so siblings compete. ``group`` numbers the sibling groups
@@ -342,9 +350,12 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
         if not len(nodes):
             return
         x = self._features(tree)[nodes]
-        # after a sampled pass only verified siblings are settled: they are the group (the others
-        # could not be accepted); after a greedy pass every child of an accepted node is
-        self.update(x, hit.astype(np.float64), sibling_groups(np.asarray(tree.parents)[nodes]))
+        # the model's denominator holds all drafted siblings, so it learns from whole sibling sets:
+        # a greedy pass settles every child of an accepted node; a sampled pass only the verified
+        # ones, and a set verified in part would teach it that its unverified members do not compete
+        whole = whole_sibling_sets(tree.parents, nodes)
+        if whole.any():
+            self.update(x[whole], hit[whole].astype(np.float64), sibling_groups(np.asarray(tree.parents)[nodes[whole]]))
         self._follow(tree, x, hit)
         self.token_rates.add([tree.tokens[v] for v in nodes], hit)
 
@@ -383,10 +394,12 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
             if not len(nodes):
                 continue
             x = features(item.tree, self.recent, self.root_logit(item.tree), token_rate=self.token_rates)[nodes]
-            xs.append(x)
-            ys.append(hit.astype(np.float64))
-            groups.append(offset + sibling_groups(np.asarray(item.tree.parents)[nodes]))
-            offset = int(groups[-1].max()) + 1
+            whole = whole_sibling_sets(item.tree.parents, nodes)  # as observe learns (all, from a trace)
+            if whole.any():
+                xs.append(x[whole])
+                ys.append(hit[whole].astype(np.float64))
+                groups.append(offset + sibling_groups(np.asarray(item.tree.parents)[nodes[whole]]))
+                offset = int(groups[-1].max()) + 1
             self._follow(item.tree, x, hit)
             self.token_rates.add([item.tree.tokens[v] for v in nodes], hit)
             self.trees += 1
