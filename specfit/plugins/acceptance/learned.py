@@ -5,7 +5,9 @@ the model is a multinomial logit over a node's drafted children and "none of the
 P(v | parent) = e^(w.x_v) / (1 + sum of e^(w.x_u) over v and its siblings) (:func:`exclusive`).
 Independent per-child logistic estimates (the model before this one) could promise two siblings
 0.6 each; on the demo pair's held-out traces the competing form cut the log loss by 3-10% on
-prose and 3-5% on GSM (docs/results.md, "Siblings compete").
+prose and 3-5% on GSM (docs/results.md, "Siblings compete"). It learns from sibling sets whose
+every member the pass settled: all of them after a greedy pass, after a sampled one the sets it
+verified whole (:func:`whole_sibling_sets`).
 
 Features of node v, all known when the selector runs (before verification):
 
