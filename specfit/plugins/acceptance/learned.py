@@ -348,18 +348,29 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
         return a.copy()
 
     def observe(self, tree: DraftTree, verified: Sequence[int], accepted: Sequence[int]) -> None:
+        samples = self._samples(tree, verified, accepted)
+        if samples is not None:
+            self.update(*samples)
+
+    def _samples(self, tree: DraftTree, verified: Sequence[int], accepted: Sequence[int]
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The tree's conditional samples the weights learn from, as (x, y, sibling group), or None;
+        the recent rate, the root mean and the token rates learn from them here (after their
+        features were read). The model's denominator holds all drafted siblings, so the weights
+        learn from whole sibling sets: a greedy pass settles every child of an accepted node; a
+        sampled pass only the verified ones, and a set verified in part would teach the model that
+        its unverified members do not compete."""
         nodes, hit = conditional(tree, verified, accepted)
         if not len(nodes):
-            return
+            return None
         x = self._features(tree)[nodes]
-        # the model's denominator holds all drafted siblings, so it learns from whole sibling sets:
-        # a greedy pass settles every child of an accepted node; a sampled pass only the verified
-        # ones, and a set verified in part would teach it that its unverified members do not compete
-        whole = whole_sibling_sets(tree.parents, nodes)
-        if whole.any():
-            self.update(x[whole], hit[whole].astype(np.float64), sibling_groups(np.asarray(tree.parents)[nodes[whole]]))
+        self._cache = None  # the state the features read changes now
         self._follow(tree, x, hit)
         self.token_rates.add([tree.tokens[v] for v in nodes], hit)
+        whole = whole_sibling_sets(tree.parents, nodes)
+        if not whole.any():
+            return None
+        return x[whole], hit[whole].astype(np.float64), sibling_groups(np.asarray(tree.parents)[nodes[whole]])
 
     def _features(self, tree: DraftTree) -> np.ndarray:
         """Every node's features: those :meth:`estimate` built for this tree in this cycle (the
@@ -392,18 +403,14 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
         :meth:`fit` them all at once. Returns the number of samples."""
         xs, ys, groups, offset = [], [], [], 0
         for item in trees:
-            nodes, hit = conditional(item.tree, item.verified, item.accepted)
-            if not len(nodes):
+            samples = self._samples(item.tree, item.verified, item.accepted)
+            if samples is None:
                 continue
-            x = features(item.tree, self.recent, self.root_logit(item.tree), token_rate=self.token_rates)[nodes]
-            whole = whole_sibling_sets(item.tree.parents, nodes)  # as observe learns (all, from a trace)
-            if whole.any():
-                xs.append(x[whole])
-                ys.append(hit[whole].astype(np.float64))
-                groups.append(offset + sibling_groups(np.asarray(item.tree.parents)[nodes[whole]]))
-                offset = int(groups[-1].max()) + 1
-            self._follow(item.tree, x, hit)
-            self.token_rates.add([item.tree.tokens[v] for v in nodes], hit)
+            x, y, group = samples
+            xs.append(x)
+            ys.append(y)
+            groups.append(offset + group)
+            offset = int(groups[-1].max()) + 1
             self.trees += 1
         if not xs:
             return 0
