@@ -172,21 +172,32 @@ def check_level(drafter: Any, tree: Any, level: Any, depth: int, vocab: int) -> 
 def check_predicted_experts(predictor: Any, tree: Any, nodes: range, layers: int, top_k: int, experts: int) -> None:
     """After ``predict(tree, nodes)``: ``tree.experts`` ([>= nodes, layers, top_k]) and
     ``tree.root_experts`` ([layers, top_k]), where set, are integer arrays whose rows for ``nodes``
-    and the root hold expert ids in ``-1..experts-1`` (earlier rows were checked when filled)."""
-    for field, arr, rows in (("tree.root_experts", tree.root_experts, None), ("tree.experts", tree.experts, len(tree))):
+    and the root hold expert ids in ``-1..experts-1`` (earlier rows were checked when filled); the
+    optional ``tree.expert_probs`` ([>= nodes, layers, experts]) and ``tree.root_expert_probs``
+    ([layers, experts]) are float arrays of probabilities (NaN: not predicted)."""
+    fields = (("tree.root_experts", None, top_k), ("tree.experts", len(tree), top_k),
+              ("tree.root_expert_probs", None, experts), ("tree.expert_probs", len(tree), experts))
+    for field, rows, width in fields:
+        arr = getattr(tree, field.removeprefix("tree."))
         if arr is None:
             continue
-        shape = (layers, top_k) if rows is None else (rows, layers, top_k)
-        if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iu" or arr.ndim != len(shape) \
-                or arr.shape[-2:] != (layers, top_k) or (rows is not None and arr.shape[0] < rows):
+        ids = not field.endswith("probs")
+        kinds, what = ("iu", "an int") if ids else ("f", "a float")
+        if not isinstance(arr, np.ndarray) or arr.dtype.kind not in kinds or arr.ndim != (2 if rows is None else 3) \
+                or arr.shape[-2:] != (layers, width) or (rows is not None and arr.shape[0] < rows):
             got = f"{arr.dtype} array of shape {arr.shape}" if isinstance(arr, np.ndarray) else type(arr).__name__
-            want = f"[{layers}, {top_k}]" if rows is None else f"[>= {rows}, {layers}, {top_k}]"
-            raise violation("predictor", predictor, "predict", f"{field} must be an int array {want}, got {got}")
+            want = f"[{layers}, {width}]" if rows is None else f"[>= {rows}, {layers}, {width}]"
+            raise violation("predictor", predictor, "predict", f"{field} must be {what} array {want}, got {got}")
         used = arr if rows is None else arr[nodes.start : nodes.stop]
-        if used.size and (int(used.min()) < -1 or int(used.max()) >= experts):
+        if not used.size:
+            continue
+        if ids and (int(used.min()) < -1 or int(used.max()) >= experts):
             value = int(used.min()) if int(used.min()) < -1 else int(used.max())
             raise violation("predictor", predictor, "predict",
                             f"{field} holds expert id {value}, outside -1..{experts - 1}")
+        if not ids and ((used < 0) | (used > 1)).any():  # NaN (not predicted) passes
+            raise violation("predictor", predictor, "predict", f"{field} holds a probability outside 0..1")
+
 
 def feature_layers(drafter: Any, layers: int | None) -> tuple[int, ...]:
     """The drafter's ``feature_layers()``: HF ``hidden_states`` indices, 0 (embeddings) to ``layers``."""

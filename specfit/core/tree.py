@@ -35,6 +35,12 @@ class DraftTree:
     # and for the root, which every pass verifies [layers, top_k].
     experts: np.ndarray | None = None
     root_experts: np.ndarray | None = None
+    # Optionally, how likely each expert is to be used, float32 per node [n, layers, experts] and for
+    # the root [layers, experts] (rows of nodes not predicted are NaN): a predictor that knows how
+    # sure it is says so here, for plug-ins that weigh expected use (the draft prefetcher). None:
+    # the picks above are all that is known.
+    expert_probs: np.ndarray | None = None
+    root_expert_probs: np.ndarray | None = None
     # After a greedy verification: the target's token after the accepted path (the bonus). With the
     # accepted path it settles the acceptance of most unverified nodes too (see greedy_outcomes).
     greedy_next: int | None = None
@@ -95,6 +101,16 @@ class DraftTree:
             pad = np.full((n - self.experts.shape[0], layers, top_k), -1, dtype=np.int32)
             self.experts = np.concatenate([self.experts, pad])
         return self.experts
+
+    def expert_prob_rows(self, layers: int, experts: int) -> np.ndarray:
+        """``expert_probs`` grown to one row per node (new rows NaN), for a predictor to fill in place."""
+        n = len(self.tokens)
+        if self.expert_probs is None or self.expert_probs.shape[1:] != (layers, experts):
+            self.expert_probs = np.full((n, layers, experts), np.nan, dtype=np.float32)
+        elif self.expert_probs.shape[0] < n:
+            pad = np.full((n - self.expert_probs.shape[0], layers, experts), np.nan, dtype=np.float32)
+            self.expert_probs = np.concatenate([self.expert_probs, pad])
+        return self.expert_probs
 
     def set_entropy(self, nodes: Sequence[int], values: Sequence[float]) -> None:
         """Record the head's entropy at the expanded ``nodes`` (``ROOT`` for the root)."""

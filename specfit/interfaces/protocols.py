@@ -279,7 +279,9 @@ class ExpertPredictor(Protocol):
 
     def predict(self, tree: DraftTree, nodes: range) -> None:
         """Fill ``tree.experts`` for ``nodes`` (``tree.expert_rows(layers, top_k)`` resizes it) and,
-        on the first call of a cycle, ``tree.root_experts``."""
+        on the first call of a cycle, ``tree.root_experts``. Optionally also how likely each expert
+        is, ``tree.expert_probs`` (``tree.expert_prob_rows(layers, experts)``) and
+        ``tree.root_expert_probs``: the draft prefetcher then weighs each copy by it."""
 
     def observe(self, tokens: Sequence[int], routing: np.ndarray) -> None:
         """Actual routing of the prompt (after prefill) and of verified tokens: int [tokens, layers, top_k]."""

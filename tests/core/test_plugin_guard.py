@@ -162,6 +162,10 @@ class BadPredictor(HistoryPredictor):
                 tree.root_experts = np.zeros((LAYERS + 1, TOP_K), dtype=np.int32)
             case "float_experts":
                 tree.experts = tree.experts.astype(np.float32)
+            case "probability_above_one":
+                tree.expert_probs[nodes.start, 0, 0] = 1.5
+            case "probs_wrong_shape":
+                tree.root_expert_probs = np.zeros((LAYERS, TOP_K), dtype=np.float32)
 
     def observe(self, tokens, routing):
         if self.mode == "observe_raises":
@@ -276,6 +280,8 @@ CASES = {
     "predictor_root_expert_negative": (pred("root_expert_negative"), "predictor", "badpred", "predict", "tree.root_experts holds expert id -5", None),
     "predictor_root_wrong_shape": (pred("root_wrong_shape"), "predictor", "badpred", "predict", f"must be an int array [{LAYERS}, {TOP_K}]", None),
     "predictor_float_experts": (pred("float_experts"), "predictor", "badpred", "predict", "tree.experts must be an int array", None),
+    "predictor_probability_above_one": (pred("probability_above_one"), "predictor", "badpred", "predict", "tree.expert_probs holds a probability outside 0..1", None),
+    "predictor_probs_wrong_shape": (pred("probs_wrong_shape"), "predictor", "badpred", "predict", "tree.root_expert_probs must be a float array", None),
     "predictor_predict_raises": (pred("predict_raises"), "predictor", "badpred", "predict", "raised IndexError: list index out of range", IndexError),
     "predictor_observe_raises": (pred("observe_raises"), "predictor", "badpred", "observe", "raised Boom: observe broke", Boom),
     "cache_slot_out_of_range": (cache("slot_out_of_range"), "cache", "badcache", "admit", "to slot 99, outside 0..3", None),

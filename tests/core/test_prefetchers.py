@@ -26,7 +26,7 @@ from specfit.plugins.caches.none import NoCache
 from specfit.plugins.cost_models.union import UnionCostModel
 from specfit.plugins.predictors.history import HistoryPredictor
 from specfit.plugins.prefetchers.auto import AutoPrefetcher
-from specfit.plugins.prefetchers.draft import DraftPrefetcher
+from specfit.plugins.prefetchers.draft import DraftPrefetcher, expected_use
 from specfit.core.router_probe import Router, fold_norm
 from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher
 from specfit.plugins.prefetchers.none import NoPrefetcher
@@ -103,8 +103,9 @@ def test_output_is_ar_output_for_every_prefetcher_cache_and_method(prefetcher, c
         assert all(i == 0 for i, _ in issued.values())
     elif prefetcher in ("lookahead", "auto"):  # every pass, AR included: issued and then used
         assert all(i > 0 and u > 0 for i, u in issued.values()), issued
-    else:  # draft: only while drafting, with a predictor
-        assert issued["ar"] == (0, 0) and issued["eagle3"][0] > 0 and issued["specfit"][0] > 0, issued
+    else:  # draft: only while drafting, with a predictor; EAGLE-3's trees are expected to use more
+        # experts than the 3 slots hold in every layer, which it leaves alone
+        assert issued["ar"] == (0, 0) and issued["specfit"][0] > 0, issued
 
 
 @pytest.mark.parametrize("source", ["own", "next", "both", "fitted"])
@@ -438,6 +439,28 @@ def test_draft_prefetch_orders_by_benefit_and_bounds_each_layer_by_the_link():
     assert pf.plan(two_level_tree(), [0], resident) == [(layer, [1, 3]) for layer in range(3)]
     pf.sink.slots = 3  # the pass is expected to use 3.8 experts per layer, more than its slots: no prefetch
     assert pf.plan(two_level_tree(), [0], resident) == []
+
+
+def test_draft_prefetch_weighs_each_pick_by_how_sure_the_predictor_is():
+    """With ``tree.expert_probs`` a pick counts by the predictor's probability, and an expert it did
+    not pick by its own: a sure pick of a selected node is copied first, an unsure one not at all,
+    and a likely runner-up is."""
+    layers, experts = 3, 8
+    resident = np.zeros((layers, experts), dtype=bool)
+    tree = two_level_tree(layers)
+    tree.root_expert_probs = np.zeros((layers, experts), np.float32)
+    tree.root_expert_probs[:, [0, 1]] = [0.95, 0.6]
+    probs = tree.expert_prob_rows(layers, experts)
+    probs[:] = 0.0
+    probs[0][:, [2, 3, 6]] = [0.9, 0.15, 0.5]  # node 0: sure of 2, unsure of its pick 3, 6 is likely
+    probs[1][:, [4, 5]] = [0.9, 0.9]
+    use, weight = expected_use(tree, [0], 0, layers, experts)
+    np.testing.assert_allclose(use[0], [0.95, 0.6, 0.9, 0.15, 0, 0, 0.5, 0], rtol=1e-6)
+    pf = DraftPrefetcher(min_benefit=0.2)
+    pf.bind(None, FakeSink(expert_s=0.0, layer_s=2.0, slots=8))
+    assert pf.plan(tree, [0], resident) == [(layer, [0, 2, 1, 6]) for layer in range(layers)]
+    tree.expert_probs = None  # without them the node's picks are certain: 3 is copied and 6 is not
+    assert pf.plan(tree, [0], resident) == [(layer, [2, 3, 0, 1]) for layer in range(layers)]
 
 
 def test_draft_prefetch_plans_nothing_for_the_rest_of_a_cycle_once_every_layer_overflows():

@@ -17,7 +17,7 @@ import specfit
 from specfit import Engine
 from specfit.core.calibration import CostConstants, fit_constants, load_constants, nnls
 from specfit.core.moe import MoESpec
-from specfit.core.tree import DraftTree
+from specfit.core.tree import ROOT, DraftTree
 from specfit.errors import ConfigError
 from specfit.interfaces import SelectionContext
 from specfit.plugins.caches.full import FullCache
@@ -566,28 +566,54 @@ def test_rate_objective_compiles_its_kernel_when_bound(monkeypatch):
 
 
 def test_history_scores_every_node_of_a_level_as_it_would_one_at_a_time():
-    """The predictor scores a level's nodes in one array: the same top-k as the per-token formula
-    (layer-wide prior + the token's frequencies + the pair's)."""
+    """The predictor estimates a level's nodes in one array: the same probabilities as the
+    per-token formula (the token's frequencies with a prior of the layer-wide ones, then the
+    pair's with a prior of that), and the top-k of them as picks."""
     engine = Engine(tiny_model(), cache=LRUCache(capacity=4), predictor=HistoryPredictor(pair_weight=0.7),
                     device="cpu")
     predictor, spec = engine.predictor, engine.spec
+    k = spec.top_k
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 12, size=200).tolist()
-    routing = np.stack([np.stack([rng.choice(spec.num_experts, spec.top_k, replace=False) for _ in range(spec.num_layers)])
+    routing = np.stack([np.stack([rng.choice(spec.num_experts, k, replace=False) for _ in range(spec.num_layers)])
                         for _ in tokens])
     predictor.observe(tokens, routing)
     predictor.flush()
     previous, level = [None, 3, 5, 7, 99, 2], [4, 4, 6, 7, 1, 11]  # a pair seen or not, a previous unseen
-    prior = predictor.prior * predictor.overall / predictor.overall.sum(axis=1, keepdims=True)
-    got = predictor._top_k(previous, level)
-    for p, t, row in zip(previous, level, got):
+    frequency = predictor.overall / predictor.overall.sum(axis=1, keepdims=True)
+    picks, probs = predictor._top_k(previous, level)
+    for p, t, row, got in zip(previous, level, picks, probs):
         own = predictor.single.get(t)
-        want = prior + own / own[0].sum()
+        want = (own + predictor.prior * k * frequency) / (own[0].sum() / k + predictor.prior)
         pair = predictor.pairs.get((p, t)) if p is not None else None
         if pair is not None:
-            want = want + predictor.pair_weight * pair / pair[0].sum()
-        top = np.argsort(-want, axis=1, kind="stable")[:, : spec.top_k]
+            w = predictor.pair_weight
+            want = (w * pair + 2 * want) / (w * pair[0].sum() / k + 2)
+        np.testing.assert_allclose(got, np.minimum(want, 1), rtol=1e-5)
+        np.testing.assert_allclose(got.sum(axis=1), k, rtol=1e-4)  # k experts a token and layer, in expectation
+        top = np.argsort(-want, axis=1, kind="stable")[:, :k]
         assert (np.sort(row, 1) == np.sort(top, 1)).all()
+
+
+def test_history_is_sure_of_what_a_token_always_does_and_unsure_of_a_new_token():
+    """A token routed the same way twenty times: its experts near 1, the rest near 0. A token never
+    seen: its probe's picks at about one half, nothing above."""
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=4), predictor=HistoryPredictor(), device="cpu")
+    predictor, spec = engine.predictor, engine.spec
+    fixed = np.stack([np.arange(spec.top_k)] * spec.num_layers)
+    predictor.observe([5] * 20, np.stack([fixed] * 20))
+    predictor.flush()
+    picks, probs = predictor._top_k([5], [5])
+    assert (np.sort(picks[0], 1) == fixed).all()
+    assert probs[0][:, : spec.top_k].min() > 0.9 and probs[0][:, spec.top_k :].max() < 0.1
+    picks, probs = predictor._top_k([5], [9])  # never seen: the router probe
+    chosen = np.take_along_axis(probs[0], picks[0], 1)
+    assert 0.45 < chosen.min() and chosen.max() < 0.5 + spec.top_k / spec.num_experts
+    tree = DraftTree(root_token=5)
+    tree.add_level([ROOT, ROOT], [5, 9], [-0.1, -2.0])
+    predictor.predict(tree, range(2))
+    assert tree.expert_probs.shape == (2, spec.num_layers, spec.num_experts) and tree.root_expert_probs is not None
+    np.testing.assert_allclose(tree.expert_probs[1], probs[0])
 
 
 @pytest.mark.parametrize("max_keys", [65536, 40])
