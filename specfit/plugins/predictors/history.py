@@ -11,7 +11,7 @@ Each prediction also says how sure it is (``tree.expert_probs``): how often each
 token (and the pair), smoothed towards the layer's frequencies; for a token never seen, half the
 probe's picks and half those frequencies. The picks are the likeliest experts by the same
 estimate. The draft prefetcher weighs a copy by it: on the held-out demo traces (GPU-like costs,
-draft prefetch) SpecFit's fraction of the oracle rose from 0.753 to 0.779 (mean of four), against
+draft prefetch) SpecFit's fraction of the oracle rose from 0.753 to 0.777 (mean of four), against
 prefetching every pick as if it were certain.
 
 Observations are held until the next prediction and then counted together, which gives the same

@@ -8,7 +8,7 @@ chosen any, the path probability of the likeliest nodes; p_ve is the predictor's
 e routes v (``tree.expert_probs``), or 1 for its picks where it gives none. Equals are ranked by
 how many nodes are expected to use the expert. Weighing picks by the predictor's certainty
 (history's frequencies) rather than taking them as sure raised SpecFit's fraction of the oracle
-on the held-out demo traces (GPU-like replay) from 0.753 to 0.779, mean of four.
+on the held-out demo traces (GPU-like replay) from 0.753 to 0.777, mean of four.
 Experts resident or already on their way are skipped. The rest go to the link layer by layer (a
 FIFO link: the first layer's copies must land first), most beneficial first, as many as it can
 deliver before that layer runs (the drafting still to come, taken as the last level's time, plus
