@@ -461,6 +461,20 @@ def test_draft_prefetch_weighs_each_pick_by_how_sure_the_predictor_is():
     assert pf.plan(tree, [0], resident) == [(layer, [0, 2, 1, 6]) for layer in range(layers)]
     tree.expert_probs = None  # without them the node's picks are certain: 3 is copied and 6 is not
     assert pf.plan(tree, [0], resident) == [(layer, [2, 3, 0, 1]) for layer in range(layers)]
+    tree.expert_probs = probs[:1]  # shorter than the tree: node 1 falls back to its picks
+    np.testing.assert_allclose(expected_use(tree, [1], 0, layers, experts)[0][0], [0.95, 0.6, 0, 0, 1, 1, 0, 0])
+    tree.expert_probs = probs.copy()
+    tree.expert_probs[1] = np.nan  # a NaN row (not predicted) too
+    np.testing.assert_allclose(expected_use(tree, [1], 0, layers, experts)[0][0], [0.95, 0.6, 0, 0, 1, 1, 0, 0])
+    # before the selector chose any node: the likeliest nodes, each by its path probability
+    use, _ = expected_use(tree_with(probs), [], 2, layers, experts)
+    np.testing.assert_allclose(use[0][[2, 6]], [0.9 * 0.9, 0.9 * 0.5], rtol=1e-6)
+
+
+def tree_with(probs: np.ndarray) -> DraftTree:
+    tree = two_level_tree()
+    tree.expert_probs = probs
+    return tree
 
 
 def test_draft_prefetch_plans_nothing_for_the_rest_of_a_cycle_once_every_layer_overflows():

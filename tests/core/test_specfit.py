@@ -609,11 +609,18 @@ def test_history_is_sure_of_what_a_token_always_does_and_unsure_of_a_new_token()
     picks, probs = predictor._top_k([5], [9])  # never seen: the router probe
     chosen = np.take_along_axis(probs[0], picks[0], 1)
     assert 0.45 < chosen.min() and chosen.max() < 0.5 + spec.top_k / spec.num_experts
-    tree = DraftTree(root_token=5)
+    tree = DraftTree(root_token=9)
+    predictor._last_token = 5
     tree.add_level([ROOT, ROOT], [5, 9], [-0.1, -2.0])
     predictor.predict(tree, range(2))
-    assert tree.expert_probs.shape == (2, spec.num_layers, spec.num_experts) and tree.root_expert_probs is not None
-    np.testing.assert_allclose(tree.expert_probs[1], probs[0])
+    tree.add_level([0], [5], [-0.2])  # the tree grows: the new row is predicted, the old ones kept
+    predictor.predict(tree, range(2, 3))
+    assert tree.expert_probs.shape == (3, spec.num_layers, spec.num_experts)
+    np.testing.assert_allclose(tree.root_expert_probs, predictor._top_k([5], [9])[1][0])
+    for node, (previous, token) in enumerate([(9, 5), (9, 9), (5, 5)]):
+        picks, probs = predictor._top_k([previous], [token])
+        np.testing.assert_allclose(tree.expert_probs[node], probs[0])
+        assert (tree.experts[node] == picks[0]).all()
 
 
 @pytest.mark.parametrize("max_keys", [65536, 40])

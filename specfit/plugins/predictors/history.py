@@ -46,10 +46,10 @@ class HistoryPredictorConfig(PredictorConfig):
 
 
 _MANY = 16  # observations of this many tokens at once (a prompt) are counted per distinct key
-_BACKLOG = 256
+_BACKLOG = 256  # verified tokens held before counting (a gate that skips drafting asks for nothing)
 # a token's own estimate counts as this many observations of a (previous, token) pair: a pair seen
 # once moves it a third of the way
-_OWN_AS_PAIRS = 2.0  # verified tokens held before counting (a gate that skips drafting asks for nothing)
+_OWN_AS_PAIRS = 2.0
 
 
 class _Counts:

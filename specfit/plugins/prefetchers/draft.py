@@ -155,17 +155,28 @@ def expected_use(tree: DraftTree, nodes: Sequence[int], fallback: int, layers: i
                 weights = np.ones(rows.size)
             else:
                 weights = np.exp(np.asarray(tree.path_log_probs, dtype=np.float64)[rows])
-            probs = tree.expert_probs[rows] if tree.expert_probs is not None and len(tree.expert_probs) > rows.max() else None
-            uses = weights[:, None, None] * _node_use(tree.experts[rows][:, :layers], probs, experts)
-            log_miss += np.log1p(-np.minimum(uses, 1 - 1e-12)).sum(axis=0)
-            weight += uses.sum(axis=0)
+            uses = weights[:, None, None] * _node_use(tree.experts[rows], _prob_rows(tree.expert_probs, rows), experts)
+            known = min(layers, uses.shape[1])  # a prediction of fewer layers says nothing of the rest
+            log_miss[:known] += np.log1p(-np.minimum(uses[:, :known], 1 - 1e-12)).sum(axis=0)
+            weight[:known] += uses[:, :known].sum(axis=0)
     use = 1.0 - np.exp(log_miss)
     if tree.root_experts is not None:  # the root is verified in every pass
         probs = tree.root_expert_probs[None] if tree.root_expert_probs is not None else None
-        root_use = _node_use(np.asarray(tree.root_experts)[None, :layers], probs, experts)[0]
-        use = 1.0 - (1.0 - use) * (1.0 - root_use)
-        weight += (len(chosen) + 1) * root_use
+        root_use = _node_use(np.asarray(tree.root_experts)[None], probs, experts)[0][:layers]
+        known = root_use.shape[0]
+        use[:known] = 1.0 - (1.0 - use[:known]) * (1.0 - root_use)
+        weight[:known] += (len(chosen) + 1) * root_use
     return use, weight
+
+
+def _prob_rows(probs: np.ndarray | None, rows: np.ndarray) -> np.ndarray | None:
+    """``probs[rows]``, with NaN (not predicted) for rows beyond the array; None without it."""
+    if probs is None:
+        return None
+    out = np.full((len(rows), *probs.shape[1:]), np.nan, dtype=np.float32)
+    inside = rows < len(probs)
+    out[inside] = probs[rows[inside]]
+    return out
 
 
 def _node_use(picks: np.ndarray, probs: np.ndarray | None, experts: int) -> np.ndarray:
