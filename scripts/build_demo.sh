@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rebuilds the shipped demo pair (specfit/assets/demo) from ../shared/data, as recorded in
-# docs/model-card.md. On 2 CPU cores: tokenizer ~1 min, target ~1.4 h, head ~40 min + ~75 min + ~20 min continued + ~5 min distillation data + ~15 min mixed; on a GPU, minutes.
+# docs/model-card.md. On 2 CPU cores: tokenizer ~1 min, target ~1.4 h, head ~40 min + ~75 min + ~20 min continued + ~5 min distillation data + ~15 min mixed + ~10 min more data + ~20 min mixed again; on a GPU, minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SPECFIT=${SPECFIT:-.venv/bin/specfit}
@@ -32,3 +32,11 @@ $SPECFIT train-drafter target_dir=specfit/assets/demo/target out_dir=runs/demo-e
     train_files=[runs/distill/train.npy,runs/distill/train.npy,runs/distill/train.npy] include_builtin_data=true \
     max_steps=600 batch_size=8 seq_len=256 lr=3e-4 warmup_steps=20 seed=3 threads=$THREADS
 .venv/bin/python -m specfit.training.export runs/demo-target runs/demo-eagle3-mix specfit/assets/demo
+# (2026-12-06, third session) twice as many rows again: 6,115 more prompts' continuations, 800 steps
+$SPECFIT distill-data target_dir=specfit/assets/demo/target out=runs/distill/train2.npy num_prompts=6144 batch_size=64 \
+    seed=1 threads=$THREADS
+$SPECFIT train-drafter target_dir=specfit/assets/demo/target out_dir=runs/demo-eagle3-mix2 \
+    init_from=specfit/assets/demo/eagle3 aux_layers=[2,4,5] \
+    train_files=[runs/distill/train.npy,runs/distill/train2.npy,runs/distill/train2.npy] include_builtin_data=true \
+    max_steps=800 batch_size=8 seq_len=256 lr=3e-4 warmup_steps=20 seed=4 threads=$THREADS
+.venv/bin/python -m specfit.training.export runs/demo-target runs/demo-eagle3-mix2 specfit/assets/demo
