@@ -606,10 +606,9 @@ def test_history_is_sure_of_what_a_token_always_does_and_unsure_of_a_new_token()
     picks, probs = predictor._top_k([5], [5])
     assert (np.sort(picks[0], 1) == fixed).all()
     assert probs[0][:, : spec.top_k].min() > 0.9 and probs[0][:, spec.top_k :].max() < 0.1
-    picks, probs = predictor._top_k([5], [9])  # never seen: the router probe, as right as it was on 5
+    picks, probs = predictor._top_k([5], [9])  # never seen: the router probe
     chosen = np.take_along_axis(probs[0], picks[0], 1)
-    hit = (np.stack(predictor.probe.experts([5]))[0][:, :, None] == fixed[:, None, :]).any(-1).mean(-1)  # [layers]
-    np.testing.assert_allclose(chosen.min(axis=1), (hit + 1) / 3, atol=spec.top_k / spec.num_experts)
+    assert 0.45 < chosen.min() and chosen.max() < 0.5 + spec.top_k / spec.num_experts
     tree = DraftTree(root_token=9)
     predictor._last_token = 5
     tree.add_level([ROOT, ROOT], [5, 9], [-0.1, -2.0])
@@ -622,28 +621,6 @@ def test_history_is_sure_of_what_a_token_always_does_and_unsure_of_a_new_token()
         picks, probs = predictor._top_k([previous], [token])
         np.testing.assert_allclose(tree.expert_probs[node], probs[0])
         assert (tree.experts[node] == picks[0]).all()
-
-
-def test_history_trusts_the_router_probe_as_far_as_it_was_right():
-    """A never-seen token's probe picks are as likely as the probe's picks were right, per layer, on
-    the tokens seen for the first time so far (one half before any)."""
-    engine = Engine(tiny_model(), cache=LRUCache(capacity=4), predictor=HistoryPredictor(), device="cpu")
-    predictor, spec = engine.predictor, engine.spec
-    right = np.stack(predictor.probe.experts(list(range(10))))  # what the probe picks for tokens 0..9
-    wrong = np.stack([np.stack([np.setdiff1d(np.arange(spec.num_experts), r)[: spec.top_k] for r in token])
-                      for token in right])
-    wrong[:, -1] = right[:, -1]  # the last layer: right every time
-    predictor.observe(list(range(10)), wrong)
-    predictor.flush()
-    assert predictor.probe_trials == 10
-    picks, probs = predictor._top_k([None], [11])
-    chosen = np.take_along_axis(probs[0], picks[0], 1)  # [layers, k]
-    trust = np.array([1 / 12] * (spec.num_layers - 1) + [11 / 12])  # wrong / right in 10 of 10, Beta(1, 1)
-    frequency = predictor.overall / predictor.overall.sum(axis=1, keepdims=True)
-    spread = (1 - trust)[:, None] * spec.top_k * np.take_along_axis(frequency, picks[0], 1)
-    np.testing.assert_allclose(chosen, np.minimum(trust[:, None] + spread, 1), rtol=1e-5)
-    assert chosen[-1].min() > 11 / 12
-    np.testing.assert_allclose(probs[0].sum(axis=1), spec.top_k, rtol=1e-4)
 
 
 @pytest.mark.parametrize("max_keys", [65536, 40])
