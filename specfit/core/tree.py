@@ -103,13 +103,16 @@ class DraftTree:
         return self.experts
 
     def expert_prob_rows(self, layers: int, experts: int) -> np.ndarray:
-        """``expert_probs`` grown to one row per node (new rows NaN), for a predictor to fill in place."""
+        """``expert_probs`` grown to at least one row per node (new rows NaN), for a predictor to fill
+        in place; it may hold more rows than nodes (at real dims a 610-node tree's is 15 MB, so it
+        doubles rather than being copied at every level)."""
         n = len(self.tokens)
         if self.expert_probs is None or self.expert_probs.shape[1:] != (layers, experts):
             self.expert_probs = np.full((n, layers, experts), np.nan, dtype=np.float32)
-        elif self.expert_probs.shape[0] < n:
-            pad = np.full((n - self.expert_probs.shape[0], layers, experts), np.nan, dtype=np.float32)
-            self.expert_probs = np.concatenate([self.expert_probs, pad])
+        elif self.expert_probs.shape[0] < n:  # grown by doubling: a level's copy of every row costs
+            grown = np.full((max(n, 2 * self.expert_probs.shape[0]), layers, experts), np.nan, dtype=np.float32)
+            grown[: self.expert_probs.shape[0]] = self.expert_probs
+            self.expert_probs = grown
         return self.expert_probs
 
     def set_entropy(self, nodes: Sequence[int], values: Sequence[float]) -> None:
