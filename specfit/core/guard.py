@@ -175,13 +175,13 @@ def check_predicted_experts(predictor: Any, tree: Any, nodes: range, layers: int
     and the root hold expert ids in ``-1..experts-1`` (earlier rows were checked when filled); the
     optional ``tree.expert_probs`` ([>= nodes, layers, experts]) and ``tree.root_expert_probs``
     ([layers, experts]) are float arrays of probabilities (NaN: not predicted)."""
-    fields = (("tree.root_experts", None, top_k), ("tree.experts", len(tree), top_k),
-              ("tree.root_expert_probs", None, experts), ("tree.expert_probs", len(tree), experts))
-    for field, rows, width in fields:
-        arr = getattr(tree, field.removeprefix("tree."))
+    # (the tree's attribute, its rows: None for the root's, its last axis, whether it holds expert ids)
+    fields = (("root_experts", None, top_k, True), ("experts", len(tree), top_k, True),
+              ("root_expert_probs", None, experts, False), ("expert_probs", len(tree), experts, False))
+    for name, rows, width, ids in fields:
+        arr, field = getattr(tree, name), f"tree.{name}"
         if arr is None:
             continue
-        ids = not field.endswith("probs")
         kinds, what = ("iu", "an int") if ids else ("f", "a float")
         if not isinstance(arr, np.ndarray) or arr.dtype.kind not in kinds or arr.ndim != (2 if rows is None else 3) \
                 or arr.shape[-2:] != (layers, width) or (rows is not None and arr.shape[0] < rows):
