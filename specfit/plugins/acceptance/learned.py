@@ -200,25 +200,25 @@ def exclusive(z: np.ndarray, group: np.ndarray | None = None) -> np.ndarray:
     """P(v accepted | parent accepted) = e^z_v / (1 + sum of e^z over v and its siblings): at most
     one child of a node is accepted, so siblings compete. ``group`` numbers the sibling groups
     (:func:`sibling_groups`); None: each node its own, which is the sigmoid of z."""
-    _, e, total = _group_sums(z, group)
+    _, e, total, _ = _group_sums(z, group)
     return e / total
 
 
-def _group_sums(z: np.ndarray, group: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _group_sums(z: np.ndarray, group: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(m, e^(z - m), e^-m + the sum of e^(z - m) over the group), per node, where m is the
-    group's largest z or 0 (the "none" outcome's score is e^0): overflow-free."""
+    group's largest z or 0 (the "none" outcome's score is e^0): overflow-free; and the groups
+    (``group``, or each node its own where None)."""
     group = np.arange(len(z)) if group is None else group
     top = np.zeros(int(group.max(initial=-1)) + 1)
     np.maximum.at(top, group, z)
     e = np.exp(z - top[group])
     total = np.exp(-top) + np.bincount(group, weights=e, minlength=len(top))
-    return top[group], e, total[group]
+    return top[group], e, total[group], group
 
 
 def _log_partition(z: np.ndarray, group: np.ndarray | None) -> float:
     """The sum over groups of log(1 + sum of e^z in the group)."""
-    top, _, total = _group_sums(z, group)
-    group = np.arange(len(z)) if group is None else group
+    top, _, total, group = _group_sums(z, group)
     first = np.unique(group, return_index=True)[1]  # one node stands for its group
     return float(np.sum(top[first] + np.log(total[first])))
 
@@ -258,8 +258,8 @@ def map_weights(x: np.ndarray, y: np.ndarray, w0: np.ndarray, prior: np.ndarray,
 def posterior_precision(x: np.ndarray, w: np.ndarray, prior: np.ndarray, group: np.ndarray | None = None) -> np.ndarray:
     """The Hessian of the MAP objective at ``w``: ``prior`` plus the samples' curvature (the
     Laplace approximation's precision of the weights)."""
-    p = exclusive(x @ w, group)
-    group = np.arange(len(p)) if group is None else group
+    _, e, total, group = _group_sums(x @ w, group)
+    p = e / total  # exclusive(x @ w, group)
     mean = np.zeros((int(group.max(initial=-1)) + 1, x.shape[1]))
     np.add.at(mean, group, x * p[:, None])
     return prior + (x * p[:, None]).T @ x - mean.T @ mean
