@@ -424,6 +424,7 @@ def build_head(model: Any, cfg: TrainDrafterConfig, vocab: DraftVocab, layers: S
     if cfg.head_intermediate_size:
         hcfg.intermediate_size = cfg.head_intermediate_size
     hcfg.max_position_embeddings = max(hcfg.max_position_embeddings, cfg.seq_len + cfg.ttt_steps)
+    hcfg.attention_window = cfg.seq_len  # the windows it is trained on: drafting attends within them
     head = random_head(hcfg, seed=cfg.seed)
     with torch.no_grad():
         head.d2t.copy_(torch.from_numpy(vocab.d2t))
@@ -699,6 +700,8 @@ def _init_from(head: Any, path: str, layers: Sequence[int], num_layers: int) -> 
         for name, tensor in own.items():
             if name in saved:
                 tensor.copy_(saved[name].to(tensor.dtype))
+    if loaded.cfg.attention_window:  # it was trained on its windows too
+        head.cfg.attention_window = max(head.cfg.attention_window or 0, loaded.cfg.attention_window)
 
 
 class _Window:

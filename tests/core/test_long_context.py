@@ -109,9 +109,10 @@ def test_long_prompts_decode_as_autoregressive(engines, long_text_ids, ar_output
     out = engines(method).generate(long_text_ids[:prompt_tokens], max_new_tokens=NEW_TOKENS)
     assert out.token_ids == ar_outputs[prompt_tokens].token_ids
     assert len(out.token_ids) == NEW_TOKENS and out.finish_reason == "length" == out.stats["finish_reason"]
-    if method == "eagle3" and prompt_tokens <= 1000:
-        # the drafts were used: a long-context drafter state is right. Not asked at 2000: the demo head
-        # was trained on 256-token windows and accepts 0-1 of 12 tokens there (docs/model-card.md)
+    if method == "eagle3":
+        # the drafts were used: a long-context drafter state is right. At 2000 tokens only because the
+        # head attends within the 256-token windows it was trained on (attention_window: it accepted
+        # 0 of 12 attending to all 2000, docs/model-card.md)
         assert out.stats["accepted_tokens"] > 0
     if method.endswith("_prefetch"):  # the fitted look-ahead learned from the long prefill and prefetched
         assert out.stats["prefetch_used"] > 0 and min(engines(method).prefetcher.lookahead.fitted.fitted_at) > 0

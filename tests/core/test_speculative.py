@@ -229,16 +229,20 @@ def test_speculative_sampling_matches_autoregressive_sampling_end_to_end():
     assert chi2_contingency(table).pvalue > 1e-3
 
 
-def test_tree_drafting_equals_drafting_each_path_alone():
+@pytest.mark.parametrize("window", [None, 5])
+def test_tree_drafting_equals_drafting_each_path_alone(window):
     """A node's path log-probability from the batched tree pass equals feeding its path to the head
-    one token at a time (the tree mask and positions are right)."""
+    one token at a time (the tree mask and positions are right), also where the head attends to
+    only its latest ``window`` positions (5, fewer than the prompt's 8)."""
     import torch.nn.functional as F
 
     from specfit.core.tree import DraftTree
     from specfit.plugins.drafters.eagle3.head import KVBuffer
 
-    engine = Engine(tiny_model(), drafter=Eagle3Drafter(top_k=3, depth=4, total_tokens=20), device="cpu")
-    drafter, head = engine.drafter, engine.drafter.head
+    drafter = Eagle3Drafter(top_k=3, depth=4, total_tokens=20, attention_window=window or 0)
+    engine = Engine(tiny_model(), drafter=drafter, device="cpu")
+    head = drafter.head
+    assert drafter.window == window
     with torch.inference_mode():
         prefill = engine.target.prefill(PROMPT)
         root = int(prefill.logits[-1].argmax())
@@ -250,12 +254,43 @@ def test_tree_drafting_equals_drafting_each_path_alone():
         for v in range(len(tree)):
             kv = KVBuffer(head.cfg.num_key_value_heads, head.cfg.head_dim, drafter.dtype, drafter.device)
             tokens = torch.tensor(PROMPT[1:] + [root])
-            h = head(head.project(prefill.features), tokens, torch.arange(len(tokens)), kv)[-1]
+            h = head(head.project(prefill.features), tokens, torch.arange(len(tokens)), kv, window=window)[-1]
             logp = 0.0
             for node in tree.path_to(v):
                 logp += float(F.log_softmax(head.logits(h[None]).float(), -1)[0, tree.tokens[node]])
-                h = head(h[None], torch.tensor([tree.tokens[node]]), torch.tensor([kv.length]), kv)[0]
+                h = head(h[None], torch.tensor([tree.tokens[node]]), torch.tensor([kv.length]), kv, window=window)[0]
             assert logp == pytest.approx(tree.path_log_probs[v], abs=1e-4)
+
+
+@pytest.mark.parametrize("queries,keys,window", [(1, 1, 1), (4, 4, 2), (3, 10, 4), (10, 10, 3), (2, 9, 20), (5, 8, None)])
+def test_causal_mask_is_a_band_of_the_latest_window_positions(queries, keys, window):
+    from specfit.plugins.drafters.eagle3.head import causal_mask
+
+    mask, first = causal_mask(queries, keys, window, torch.device("cpu"))
+    past = keys - queries
+    expected = torch.tensor([[j <= past + i and (window is None or j > past + i - window) for j in range(keys)]
+                             for i in range(queries)])
+    assert not expected[:, :first].any()  # the cut keys are attended by no query
+    assert torch.equal(mask, expected[:, first:])
+    assert first == (0 if window is None else max(past - window + 1, 0))
+
+
+def test_attention_window_comes_from_the_checkpoint_unless_set(tmp_path):
+    cfg = head_config_for(tiny_model())
+    cfg.attention_window = 6
+    save_head(random_head(cfg), tmp_path / "head")
+    assert json.loads((tmp_path / "head" / "config.json").read_text())["attention_window"] == 6
+    for setting, window in ((None, 6), (0, None), (3, 3)):
+        drafter = Eagle3Drafter(path=str(tmp_path / "head"), top_k=3, depth=2, total_tokens=6, attention_window=setting)
+        Engine(tiny_model(), drafter=drafter, device="cpu")
+        assert drafter.window == window
+    with pytest.raises(ConfigError, match="drafter.attention_window"):
+        Eagle3Drafter(attention_window=-1)
+    raw = json.loads((tmp_path / "head" / "config.json").read_text())
+    for bad in (0, "256", True):
+        (tmp_path / "head" / "config.json").write_text(json.dumps({**raw, "attention_window": bad}))
+        with pytest.raises(ModelError, match="config.json: attention_window="):
+            load_head(tmp_path / "head")
 
 
 def test_committing_several_tokens_equals_starting_over():

@@ -161,6 +161,8 @@ def test_saved_head_is_in_the_public_layout_and_drives_the_drafter_losslessly(pa
     assert "embed_tokens.weight" not in state and not state["d2t"].any() and state["t2d"].all()
     head = load_head(trained_head)
     assert head.cfg.aux_layer_ids == [i - 1 for i in layers]
+    # trained on windows of seq_len tokens: drafting attends within them (drafter.attention_window)
+    assert config["attention_window"] == head.cfg.attention_window == _config(patterned, trained_head).seq_len
 
     from transformers import AutoModelForCausalLM
 
@@ -217,6 +219,8 @@ def test_init_from_starts_at_the_saved_head_and_continues_training(patterned, tr
                                  warmup_steps=1, **evaluated))
     loss = lambda out: json.loads((out / "training_summary.json").read_text())["eval_loss"]  # noqa: E731
     assert loss(cont) < loss(fresh)  # it starts from the trained head, not from a random one
+    # it was trained on the saved head's windows too: the longer of the two
+    assert load_head(cont).cfg.attention_window == load_head(trained_head).cfg.attention_window
     assert any(r.get("event") == "start" and r["init_from"] == str(trained_head) for r in _log(cont))
     with pytest.raises(ValueError, match="init_from"):
         train_drafter(_config(patterned, tmp_path / "bad", init_from=str(trained_head), max_steps=1,

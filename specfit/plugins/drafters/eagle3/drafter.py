@@ -53,6 +53,10 @@ class Eagle3DrafterConfig(DrafterConfig):
     depth: int = 7
     total_tokens: int = 60
     seed: int = 0
+    # positions the head attends to (the latest ones): null, the window its checkpoint says it was
+    # trained on (config.json attention_window; specfit's trainer writes its seq_len) or, without
+    # one, all; 0, all; N, the latest N. A head used past its training window drafts worse
+    attention_window: int | None = None
     # SGLang's names, accepted as aliases: --speculative-eagle-topk / -num-steps / -num-draft-tokens
     # (SGLang's num_draft_tokens counts the root: total_tokens = num_draft_tokens - 1)
     eagle_topk: int | None = None
@@ -76,6 +80,7 @@ class Eagle3DrafterConfig(DrafterConfig):
         resolve_all(self)
         check_tree_shape(self.top_k, self.depth, self.total_tokens)
         integer("drafter.seed", self.seed)
+        optional_integer("drafter.attention_window", self.attention_window, minimum=0)
 
 
 # Upper bounds of the draft tree. Published EAGLE-3 setups stay far below them (top_k <= 10, depth <= 8,
@@ -108,15 +113,18 @@ class Eagle3Drafter(DrafterBase):
     Config = Eagle3DrafterConfig
 
     def __init__(self, path: str | None = None, top_k: int = 10, depth: int = 7, total_tokens: int = 60,
-                 seed: int = 0, head: Eagle3Head | None = None) -> None:
+                 seed: int = 0, head: Eagle3Head | None = None, attention_window: int | None = None) -> None:
         check_tree_shape(top_k, depth, total_tokens)
+        optional_integer("drafter.attention_window", attention_window, minimum=0)
         self.path, self.top_k, self.depth, self.total_tokens, self.seed = path, top_k, depth, total_tokens, seed
+        self.attention_window = attention_window
         self.head = head if head is not None else (load_head(path) if path and path != "random" else None)
 
     @classmethod
     def from_config(cls, cfg: Eagle3DrafterConfig) -> Eagle3Drafter:
         return cls(path=cfg.path, top_k=_alias(cfg, "top_k", "eagle_topk"), depth=_alias(cfg, "depth", "num_steps"),
-                   total_tokens=_alias(cfg, "total_tokens", "num_draft_tokens", offset=-1), seed=cfg.seed)
+                   total_tokens=_alias(cfg, "total_tokens", "num_draft_tokens", offset=-1), seed=cfg.seed,
+                   attention_window=cfg.attention_window)
 
     # ------------------------------------------------------------------ binding
 
@@ -140,6 +148,8 @@ class Eagle3Drafter(DrafterBase):
         if self.head.lm_head is None:  # a head saved without lm_head: the target's rows of its draft vocabulary
             self.head.set_target_lm_head(model.get_output_embeddings())
         self._layers = head_feature_layers(cfg, tc.num_hidden_layers)
+        window = cfg.attention_window if self.attention_window is None else self.attention_window
+        self.window = window or None  # 0 (or a checkpoint without one): every position
 
     def feature_layers(self) -> Sequence[int]:
         return self._layers
@@ -178,7 +188,7 @@ class Eagle3Drafter(DrafterBase):
             positions = torch.arange(committed, committed + len(tokens), device=self.device)
             chunks = self.pending_features
             features = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-            hidden = head(head.project(features.to(self.dtype)), tokens, positions, kv)
+            hidden = head(head.project(features.to(self.dtype)), tokens, positions, kv, window=self.window)
             committed = kv.length
             self.pending_tokens, self.pending_features = [], []
             root_hidden = hidden[-1]
@@ -194,8 +204,10 @@ class Eagle3Drafter(DrafterBase):
 
             for d in range(2, self.depth + 1):
                 base = kv.length
+                position = committed - 1 + (d - 1)  # of this level's inputs (the previous level's nodes)
                 mask = torch.zeros(len(beam), base + len(beam), dtype=torch.bool)
-                mask[:, :committed] = True
+                # the committed positions within the window (the tree's own are at most depth back)
+                mask[:, 0 if self.window is None else max(position - self.window + 1, 0):committed] = True
                 for i, v in enumerate(beam):
                     for a in tree.path_to(v)[:-1]:
                         mask[i, slot[a]] = True
@@ -204,7 +216,7 @@ class Eagle3Drafter(DrafterBase):
                 out = head(
                     torch.stack([parent_hidden[v] for v in beam]),
                     torch.tensor([tree.tokens[v] for v in beam], device=self.device),
-                    torch.full((len(beam),), committed - 1 + (d - 1), device=self.device),
+                    torch.full((len(beam),), position, device=self.device),
                     kv,
                     mask.to(self.device),
                 )

@@ -51,6 +51,9 @@ class Eagle3Config:
     norm_output: bool = True  # SpecForge's flag: the final norm before lm_head (False: none)
     feed_normed: bool = False  # speculators' norm_output: the normed hidden is also what the next step reads
     qk_norm: bool = False  # Qwen3 decoder layers (speculators' qwen3 layer config): RMSNorm on each head's q and k
+    # the longest window of positions the head was trained on (specfit's trainer writes its seq_len);
+    # drafting attends to at most this many latest positions (see Eagle3Head.forward). None: unknown
+    attention_window: int | None = None
 
     @property
     def num_aux(self) -> int:
@@ -261,7 +264,16 @@ class Eagle3Head(nn.Module):
         positions: torch.Tensor,  # [T]
         kv: KVBuffer | HeadCache | None = None,  # a KVBuffer only for a one-layer head
         mask: torch.Tensor | None = None,  # bool [T, kv.length + T] (True = attend); None: causal
+        window: int | None = None,  # causal only: each position attends to at most this many latest ones
     ) -> torch.Tensor:
+        """One step over ``T`` new positions.
+
+        ``window``: a head trained on windows of N tokens has never seen a query attend further back
+        than N positions; past that its attention drifts and acceptance falls (the demo head,
+        trained on 256-token windows: 2 of 48 new tokens accepted after a 2,000-token prompt, 31
+        with a 256-token window, as after a 300-token one). A causal step then attends to the
+        latest ``window`` positions only (a band, as a sliding-window model), which also bounds its
+        cost; a tree step's ``mask`` is the caller's to cut (the drafter does)."""
         caches = kv.layers if isinstance(kv, HeadCache) else [kv] * self.cfg.num_hidden_layers
         if len(caches) != self.cfg.num_hidden_layers or (self.cfg.num_hidden_layers > 1 and isinstance(kv, KVBuffer)):
             raise ValueError(f"a head with {self.cfg.num_hidden_layers} layers needs one KV cache per layer "
@@ -271,16 +283,16 @@ class Eagle3Head(nn.Module):
         residual = normed if self.cfg.norm_before_residual else hidden
         x = torch.cat([layer.input_layernorm(self.embed(tokens).to(hidden.dtype)), normed], dim=-1)
         cos, sin = self.rotary(x[None], positions[None])
-        h = residual + self._attend(layer, x, cos[0], sin[0], caches[0], mask)
+        h = residual + self._attend(layer, x, cos[0], sin[0], caches[0], mask, window)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         for layer, cache in zip(self.layers.values(), caches[1:]):
-            h = h + self._attend(layer, layer.input_layernorm(h), cos[0], sin[0], cache, mask)
+            h = h + self._attend(layer, layer.input_layernorm(h), cos[0], sin[0], cache, mask, window)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h) if self.cfg.feed_normed else h
 
     @staticmethod
     def _attend(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: KVBuffer | None, mask: torch.Tensor | None) -> torch.Tensor:
+                kv: KVBuffer | None, mask: torch.Tensor | None, window: int | None = None) -> torch.Tensor:
         """Self-attention of one layer (its output projection included) over its cache and ``x``."""
         attn, t = layer.self_attn, x.shape[0]
         q = attn.q_proj(x).view(t, attn.heads, attn.head_dim).transpose(0, 1)
@@ -293,11 +305,23 @@ class Eagle3Head(nn.Module):
             kv.append(k, v)
             k, v = kv.k[:, : kv.length], kv.v[:, : kv.length]
         if mask is None:
-            past = k.shape[1] - t
-            mask = torch.ones(t, k.shape[1], dtype=torch.bool, device=x.device).tril(past)
+            mask, first = causal_mask(t, k.shape[1], window, x.device)
+            k, v = k[:, first:], v[:, first:]
         rep = attn.heads // attn.kv_heads
         out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0), attn_mask=mask)
         return attn.o_proj(out.transpose(0, 1).reshape(t, -1))
+
+
+def causal_mask(queries: int, keys: int, window: int | None, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The mask of the last ``queries`` of ``keys`` positions attending causally, each to at most
+    ``window`` latest positions (itself included; None: all before it), and the first key any of
+    them attends to: keys before it are cut, not computed and masked."""
+    past = keys - queries
+    first = 0 if window is None else max(past - window + 1, 0)
+    mask = torch.ones(queries, keys - first, dtype=torch.bool, device=device).tril(past - first)
+    if window is not None:
+        mask &= ~torch.ones_like(mask).tril(past - first - window)
+    return mask, first
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

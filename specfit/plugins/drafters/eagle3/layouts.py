@@ -81,6 +81,9 @@ def _from_hf(raw: dict[str, Any], source: str, where: str = "") -> Eagle3Config:
                              f"without fc) needs target_hidden_size {target_hidden} == hidden_size {hidden}")
     if flags["fc_norm"] and flags["norm_before_fc"]:
         raise ModelError(f"{source}: fc_norm and norm_before_fc are exclusive (one norm per feature, or one over all)")
+    window = raw.get("attention_window")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ModelError(f"{source}: {where}attention_window={window!r} must be a number of positions >= 1 (or absent)")
     rope = raw.get("rope_parameters")
     if not rope:
         rope = dict(raw.get("rope_scaling") or {})
@@ -107,6 +110,7 @@ def _from_hf(raw: dict[str, Any], source: str, where: str = "") -> Eagle3Config:
         norm_before_fc=norm_before_fc,
         norm_before_residual=flags["norm_before_residual"],
         norm_output=flags["norm_output"],
+        attention_window=window,
     )
 
 
@@ -126,7 +130,7 @@ def _from_speculators(raw: dict[str, Any], source: str) -> Eagle3Config:
         raise ModelError(f"{source}: norm_output={norm_output!r} must be true or false")
     flat = {k: v for k, v in layer.items() if k not in ("eagle_config", "norm_output", "use_aux_hidden_state")}
     for key in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "fc_norm",
-                "norm_before_fc"):
+                "norm_before_fc", "attention_window"):
         if raw.get(key) is not None:
             flat[key] = raw[key]
     flat["norm_before_residual"] = raw.get("norm_before_residual", True)  # vLLM's default for this layout
@@ -201,6 +205,8 @@ def config_to_hf(cfg: Eagle3Config) -> dict[str, Any]:
                           ("norm_output", True)):
         if getattr(cfg, name) != default:
             config[name] = getattr(cfg, name)
+    if cfg.attention_window is not None:  # specfit's own key (other loaders ignore it): the training window
+        config["attention_window"] = cfg.attention_window
     if eagle:
         config["eagle_config"] = eagle
     return config
