@@ -262,6 +262,32 @@ def test_tree_drafting_equals_drafting_each_path_alone(window):
             assert logp == pytest.approx(tree.path_log_probs[v], abs=1e-4)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_a_long_prompt_caught_up_in_chunks_drafts_what_one_step_drafts(monkeypatch, window):
+    """The head takes a long prompt CATCH_UP_CHUNK positions at a time (bounded attention scores);
+    each chunk attends to the cache so far, so the drafts are those of one step over it all."""
+    from specfit.core.tree import DraftTree
+    from specfit.plugins.drafters.eagle3 import drafter as drafter_module
+
+    def drafted(chunk: int) -> DraftTree:
+        monkeypatch.setattr(drafter_module, "CATCH_UP_CHUNK", chunk)
+        drafter = Eagle3Drafter(top_k=3, depth=3, total_tokens=12, attention_window=window or 0)
+        engine = Engine(tiny_model(), drafter=drafter, device="cpu")
+        with torch.inference_mode():
+            prefill = engine.target.prefill(PROMPT)
+            root = int(prefill.logits[-1].argmax())
+            drafter.start(PROMPT, prefill.features, root)
+            tree = DraftTree(root_token=root)
+            for _ in drafter.draft(tree):
+                pass
+        assert drafter.kv.length == len(PROMPT)
+        return tree
+
+    whole, chunked = drafted(512), drafted(3)  # the prompt's 8 pairs in one step, or in 3 + 3 + 2
+    assert chunked.tokens == whole.tokens
+    assert chunked.path_log_probs == pytest.approx(whole.path_log_probs, abs=1e-4)
+
+
 @pytest.mark.parametrize("queries,keys,window", [(1, 1, 1), (4, 4, 2), (3, 10, 4), (10, 10, 3), (2, 9, 20), (5, 8, None)])
 def test_causal_mask_is_a_band_of_the_latest_window_positions(queries, keys, window):
     from specfit.plugins.drafters.eagle3.head import causal_mask

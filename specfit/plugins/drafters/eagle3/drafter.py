@@ -83,6 +83,13 @@ class Eagle3DrafterConfig(DrafterConfig):
         optional_integer("drafter.attention_window", self.attention_window, minimum=0)
 
 
+CATCH_UP_CHUNK = 512
+"""Committed positions the head takes in one causal step when drafting starts (a prompt, or the
+cycles a gate skipped). Attention scores are [heads, queries, keys] wherever a mask is given: a
+32k-token prompt in one step would hold 32k x 32k of them per head; a chunk holds 512 x keys (x
+the window's keys, where the head has one). Same result: each chunk attends to the cache so far."""
+
+
 # Upper bounds of the draft tree. Published EAGLE-3 setups stay far below them (top_k <= 10, depth <= 8,
 # 60-64 draft tokens); past them a tree costs more to draft than any acceptance repays, and a slip
 # such as depth=100000 would draft to the end of the context on every cycle.
@@ -188,7 +195,10 @@ class Eagle3Drafter(DrafterBase):
             positions = torch.arange(committed, committed + len(tokens), device=self.device)
             chunks = self.pending_features
             features = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-            hidden = head(head.project(features.to(self.dtype)), tokens, positions, kv, window=self.window)
+            for lo in range(0, len(tokens), CATCH_UP_CHUNK):  # a long prompt a chunk at a time
+                part = slice(lo, lo + CATCH_UP_CHUNK)
+                hidden = head(head.project(features[part].to(self.dtype)), tokens[part], positions[part], kv,
+                              window=self.window)
             committed = kv.length
             self.pending_tokens, self.pending_features = [], []
             root_hidden = hidden[-1]
