@@ -752,12 +752,13 @@ def acceptance_length(target_dir: str | os.PathLike[str], head_dir: str | os.Pat
                       prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 64, top_k: int = 10,
                       depth: int = 7, total_tokens: int = 60, *, tokenizer_dir: str | None = None,
                       threads: int = 1, dtype: str = "float32", device: str = "cpu", seed: int = 0,
-                      ignore_eos: bool = False) -> dict[str, Any]:
+                      ignore_eos: bool = False, attention_window: int | None = None) -> dict[str, Any]:
     """Mean acceptance length (bonus token included) of greedy EAGLE-3 decoding with this head.
 
     Runs :class:`specfit.Engine` with :class:`Eagle3Drafter` and the ``eagle3`` selector (verify
     the ``total_tokens`` most probable drafted nodes). ``head_dir=None`` uses a seeded random head
-    (a baseline). ``spec_decode_acceptance_length`` is over all cycles of all prompts; the
+    (a baseline). ``attention_window`` is ``drafter.attention_window`` (None: the head's own).
+    ``spec_decode_acceptance_length`` is over all cycles of all prompts; the
     per-prompt figures are in ``per_prompt``. Prompts are text (needs a tokenizer in
     ``tokenizer_dir`` or ``target_dir``) or token ids.
     """
@@ -772,7 +773,7 @@ def acceptance_length(target_dir: str | os.PathLike[str], head_dir: str | os.Pat
     model = load_checkpoint(str(target_dir), dtype)
     tokenizer = load_tokenizer(str(tokenizer_dir or target_dir))
     drafter = Eagle3Drafter(path=str(head_dir) if head_dir is not None else None, top_k=top_k, depth=depth,
-                            total_tokens=total_tokens, seed=seed)
+                            total_tokens=total_tokens, seed=seed, attention_window=attention_window)
     engine = Engine(model, tokenizer=tokenizer, drafter=drafter, selector=TopByPathProbSelector(), device=device,
                     ignore_eos=ignore_eos)
     per_prompt, accepted, cycles, tokens = [], 0, 0, 0
