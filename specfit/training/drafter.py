@@ -307,8 +307,19 @@ def _special_ids(model: Any, tokenizer: Any | None) -> list[int]:
     return sorted(ids)
 
 
-def _npy_documents(path: str) -> list[np.ndarray]:
-    arr = np.load(path)
+def _npy_documents(path: str, key: str = "train_files", vocab_size: int | None = None) -> list[np.ndarray]:
+    """A token file's documents; a file that is not an integer token array in range is one line
+    naming ``key`` and the file (a float array cast to ids would train on nonsense, silently)."""
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        raise ConfigError(f"{key}: {path} is not a NumPy token array ({type(exc).__name__}: {exc})") from None
+    if not isinstance(arr, np.ndarray) or not np.issubdtype(arr.dtype, np.integer):  # bool is not an integer here
+        kind = arr.dtype if isinstance(arr, np.ndarray) else type(arr).__name__
+        raise ConfigError(f"{key}: {path} holds {kind} values, not token ids (an integer array)")
+    if vocab_size is not None and arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_size):
+        raise ConfigError(f"{key}: {path} has token ids in [{int(arr.min())}, {int(arr.max())}], outside the "
+                          f"target vocabulary [0, {vocab_size})")
     if arr.ndim == 1:
         return [arr.astype(np.int64)]
     if arr.ndim == 2:
@@ -342,7 +353,7 @@ def load_train_tokens(cfg: TrainDrafterConfig, tokenizer: Any | None, vocab_size
         kinds += list(data.kinds)
     for path in cfg.train_files:
         if path.endswith(".npy"):
-            docs = _npy_documents(path)
+            docs = _npy_documents(path, "train_files", vocab_size)
             arrays += docs
             kinds += ["tokens"] * len(docs)
     if not arrays:
@@ -371,7 +382,7 @@ def load_eval_windows(cfg: TrainDrafterConfig, tokenizer: Any | None) -> np.ndar
             docs += [a.astype(np.int64) for a in arrays]
         for path in cfg.eval_files:
             if path.endswith(".npy"):
-                docs += _npy_documents(path)
+                docs += _npy_documents(path, "eval_files")
         stream = np.concatenate(docs)
         n = len(stream) // cfg.seq_len
         if n == 0:

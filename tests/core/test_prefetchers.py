@@ -80,6 +80,12 @@ def test_builtins_are_registered_listed_and_a_config_group(capsys):
     assert isinstance(made, DraftPrefetcher) and made.min_benefit == 0.5
     with pytest.raises(specfit.errors.ConfigError, match="prefetch.source"):
         get_plugins()["prefetch"].create(specfit.compose(["prefetch=lookahead", "prefetch.source=later"]).prefetch)
+    for kind in ("draft", "auto"):  # auto's draft half is checked as draft's (0 once issued nothing, silently)
+        for bad in ("prefetch.max_per_layer=0", "prefetch.max_per_layer=-3", "prefetch.min_benefit=1.5"):
+            with pytest.raises(specfit.errors.ConfigError, match=bad.replace(".", r"\.")):
+                get_plugins()["prefetch"].create(specfit.compose([f"prefetch={kind}", bad]).prefetch)
+    with pytest.raises(specfit.errors.ConfigError, match="prefetch.max_per_layer=0"):
+        DraftPrefetcher(max_per_layer=0)
     presets = specfit.compose([]).method_presets
     for method in ("ar_prefetch", "eagle3_prefetch", "specfit_prefetch"):
         assert "prefetch=auto" in presets[method]

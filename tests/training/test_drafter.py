@@ -279,3 +279,27 @@ def test_builtin_corpus_and_heldout_eval(tmp_path):  # pragma: no cover - data-d
     prompts = [text for _, text in heldout_prompts(cfg.data_dir, n_prose=2, n_gsm=2)]  # the trainer's eval prompts
     random = acceptance_length(tmp_path / "target", None, prompts, 32)["spec_decode_acceptance_length"]
     assert summary["acceptance_length"] > random + 0.7, (summary["acceptance_length"], random)
+
+
+@pytest.mark.parametrize("content,message", [
+    (lambda: np.random.default_rng(0).random((4, 8), dtype=np.float32), "holds float32 values, not token ids"),
+    (lambda: np.array([[1, 2], [3, 5000]]), r"token ids in \[1, 5000\], outside the target vocabulary \[0, 64\)"),
+    (lambda: np.array([{"a": 1}], dtype=object), "is not a NumPy token array"),
+    (lambda: b"hello world", "is not a NumPy token array"),
+])
+def test_a_bad_token_file_is_named_before_training(tmp_path, content, message):
+    """A float array cast to ids would train on nonsense without a word; text or pickles raised deep inside numpy."""
+    import re
+
+    from specfit.errors import ConfigError
+    from specfit.training.drafter import load_train_tokens
+
+    path = tmp_path / "tokens.npy"
+    value = content()
+    if isinstance(value, bytes):
+        path.write_bytes(value)
+    else:
+        np.save(path, value, allow_pickle=True)
+    cfg = TrainDrafterConfig(include_builtin_data=False, train_files=[str(path)], out_dir=str(tmp_path / "out"))
+    with pytest.raises(ConfigError, match=f"train_files: {re.escape(str(path))}.*{message}"):
+        load_train_tokens(cfg, None, 64)

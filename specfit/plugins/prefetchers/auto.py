@@ -7,9 +7,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specfit.errors import ConfigError
 from specfit.interfaces import DraftTree, PrefetcherBase, PrefetcherConfig
-from specfit.plugins.prefetchers.draft import DraftPrefetcher
+from specfit.plugins.prefetchers.draft import DraftPrefetcher, check_draft_settings
 from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher, check_lookahead_settings
 
 
@@ -25,8 +24,7 @@ class AutoPrefetcherConfig(PrefetcherConfig):
 
     def __post_init__(self) -> None:
         check_lookahead_settings(self.source, self.per_layer, self.picks, self.keep)
-        if not 0.0 <= self.min_benefit <= 1.0:
-            raise ConfigError(f"prefetch.min_benefit={self.min_benefit} must be in [0, 1]")
+        check_draft_settings(self.min_benefit, self.max_per_layer)
 
 
 class AutoPrefetcher(PrefetcherBase):

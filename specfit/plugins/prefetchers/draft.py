@@ -48,12 +48,17 @@ class DraftPrefetcherConfig(PrefetcherConfig):
     fallback_nodes: int = 4
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.min_benefit <= 1.0:
-            raise ConfigError(f"prefetch.min_benefit={self.min_benefit} must be in [0, 1]")
-        if self.max_per_layer is not None and self.max_per_layer < 1:
-            raise ConfigError(f"prefetch.max_per_layer={self.max_per_layer} must be >= 1 (or null)")
+        check_draft_settings(self.min_benefit, self.max_per_layer)
         if self.fallback_nodes < 0:
             raise ConfigError(f"prefetch.fallback_nodes={self.fallback_nodes} must be >= 0")
+
+
+def check_draft_settings(min_benefit: float, max_per_layer: int | None) -> None:
+    """The draft prefetch's settings (``prefetch=draft`` and ``auto`` share them), one line naming the key."""
+    if not 0.0 <= min_benefit <= 1.0:
+        raise ConfigError(f"prefetch.min_benefit={min_benefit} must be in [0, 1]")
+    if max_per_layer is not None and max_per_layer < 1:
+        raise ConfigError(f"prefetch.max_per_layer={max_per_layer} must be >= 1 (or null)")
 
 
 class DraftPrefetcher(PrefetcherBase):
@@ -63,6 +68,7 @@ class DraftPrefetcher(PrefetcherBase):
     Config = DraftPrefetcherConfig
 
     def __init__(self, min_benefit: float = 0.2, max_per_layer: int | None = None, fallback_nodes: int = 4) -> None:
+        check_draft_settings(min_benefit, max_per_layer)
         self.min_benefit, self.max_per_layer, self.fallback_nodes = min_benefit, max_per_layer, fallback_nodes
         self._tree_id: int | None = None
         self._saturated = False  # this cycle's pass was expected to overflow every layer's slots
