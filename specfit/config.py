@@ -402,6 +402,11 @@ def unused_setting_notes(cfg: DictConfig) -> list[str]:
     if prefetch is not None and prefetch.name == "draft" and not drafting:
         notes.append("prefetch=draft prefetches while drafting, and this run drafts nothing (drafter=none): "
                      "no prefetches; prefetch=lookahead or auto prefetch in plain decoding")
+    if prefetch is not None and prefetch.name in ("draft", "auto") and drafting and cfg.get("predictor") is None:
+        part = ("it prefetches nothing" if prefetch.name == "draft"
+                else "its draft half prefetches nothing (the look-ahead still does)")
+        notes.append(f"prefetch={prefetch.name} copies the experts a predictor expects for the drafted nodes, and no "
+                     f"predictor is set: {part}; set predictor=history")
     selector = cfg.get("selector")
     if drafting and selector is not None and selector.name == "none":
         notes.append(f"selector=none never drafts, so drafter={drafter.name} is unused (plain decoding)")

@@ -74,6 +74,8 @@ def test_a_command_line_group_choice_wins_over_a_method_preset(capsys):
     (["cache.copy=torch", "cache.link.bandwidth_gbps=10"], "cache.copy=torch copies over the real link, so cache.link"),
     (["cache=full", "cache.capacity=4"], "cache=full gives every expert a slot, so cache.capacity is unused"),
     (["prefetch=draft"], "prefetch=draft prefetches while drafting, and this run drafts nothing"),
+    (["prefetch=draft", "drafter=eagle3", "selector=eagle3"], "no predictor is set: it prefetches nothing"),
+    (["prefetch=auto", "drafter=eagle3", "selector=eagle3"], "no predictor is set: its draft half prefetches nothing"),
     (["drafter=eagle3", "selector=none"], "selector=none never drafts, so drafter=eagle3 is unused"),
     (["sampling.top_k=5", "sampling.top_p=0.9"], "sampling.top_k and sampling.top_p shape sampling"),
 ])
