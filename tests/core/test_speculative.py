@@ -306,7 +306,7 @@ def test_attention_window_comes_from_the_checkpoint_unless_set(tmp_path):
     cfg.attention_window = 6
     save_head(random_head(cfg), tmp_path / "head")
     assert json.loads((tmp_path / "head" / "config.json").read_text())["attention_window"] == 6
-    for setting, window in ((None, 6), (0, None), (3, 3)):
+    for setting, window in ((None, 6), (0, None), (3, 3), (10**30, None)):  # past any context: every position
         drafter = Eagle3Drafter(path=str(tmp_path / "head"), top_k=3, depth=2, total_tokens=6, attention_window=setting)
         Engine(tiny_model(), drafter=drafter, device="cpu")
         assert drafter.window == window

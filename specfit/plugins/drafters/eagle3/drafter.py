@@ -156,7 +156,9 @@ class Eagle3Drafter(DrafterBase):
             self.head.set_target_lm_head(model.get_output_embeddings())
         self._layers = head_feature_layers(cfg, tc.num_hidden_layers)
         window = cfg.attention_window if self.attention_window is None else self.attention_window
-        self.window = window or None  # 0 (or a checkpoint without one): every position
+        context = getattr(tc, "max_position_embeddings", None) or 1 << 31
+        # 0, none in the checkpoint, or longer than any context the target takes: every position
+        self.window = window if window and window < context else None
 
     def feature_layers(self) -> Sequence[int]:
         return self._layers
