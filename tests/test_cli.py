@@ -170,6 +170,9 @@ def test_trainer_commands_are_configured_by_their_dataclass(command, capsys):
         ("cache.link.bandwidth_gbps=0", "cache.link.bandwidth_gbps must be a finite number > 0"),
         ("cache.link.bandwidth_gbps=inf", "cache.link.bandwidth_gbps must be a finite number > 0, got inf"),
         ("cache.link.latency_us=inf", "cache.link.latency_us must be a finite number >= 0"),
+        # waited in wall-clock time: 1e-9 GB/s seemed to hang, 1e-30 overflowed time.sleep
+        ("cache.link.bandwidth_gbps=1e-9", "cache.link.bandwidth_gbps=1e-09 is below 0.001 GB/s"),
+        ("cache.link.latency_us=1e15", "cache.link.latency_us=1e+15 is above 1e+06"),
         ("model.attn_implementation=flash_attention_2", "model.attn_implementation='flash_attention_2'"),
         ("model.device=tpu", "model.device='tpu' is not a torch device"),
         ("cost_model.c0=-1", "cost_model.c0=-1"),

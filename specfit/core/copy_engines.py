@@ -579,6 +579,10 @@ class TritonCopyEngine(_StreamedCopy):
 # Emulated link
 
 
+MIN_LINK_GBPS = 1e-3
+MAX_LINK_LATENCY_US = 1e6
+
+
 @dataclass
 class LinkSettings:
     """Emulated-link settings (``cache.link``): a named profile, with explicit values overriding it.
@@ -603,8 +607,14 @@ class LinkSettings:
             raise ValueError("cache.link.bandwidth_gbps is required when cache.link.profile is null")
         if not 0 < bw < math.inf:
             raise ValueError(f"cache.link.bandwidth_gbps must be a finite number > 0, got {bw}")
+        if bw < MIN_LINK_GBPS:  # the emulated link waits in wall-clock time: a run would seem to hang
+            raise ValueError(f"cache.link.bandwidth_gbps={bw:g} is below {MIN_LINK_GBPS} GB/s (1 MB/s): one expert "
+                             "copy would take seconds to hours, waited in wall-clock time")
         if not 0 <= lat < math.inf:
             raise ValueError(f"cache.link.latency_us must be a finite number >= 0, got {lat}")
+        if lat > MAX_LINK_LATENCY_US:
+            raise ValueError(f"cache.link.latency_us={lat:g} is above {MAX_LINK_LATENCY_US:g} (1 s) per copy, waited in "
+                             "wall-clock time")
         if ref is not None and ref <= 0:
             raise ValueError(f"cache.link.ref_expert_bytes must be > 0 (or null), got {ref}")
         return float(bw), float(lat), (int(ref) if ref is not None else None)
