@@ -21,7 +21,7 @@ from specfit.core.sampling import SamplingParams
 from specfit.core.setup_state import attach_setup_state
 from specfit.config import check_config, unused_setting_notes
 from specfit.config_messages import note_once
-from specfit.errors import ConfigError
+from specfit.errors import ConfigError, ModelError
 from specfit.files import missing_directory
 from specfit.registry import get_plugins
 
@@ -45,7 +45,8 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
     for kind in ("drafter", "selector", "cost_model", "predictor", "cache"):  # before the model: fail fast
         node = cfg.get(kind)
         if kind == "drafter" and node is not None:
-            node = _with_model_head(node, cfg.model.get("draft_head"))
+            parts[kind] = _drafter_with_model_head(plugins[kind], node, cfg.model.get("draft_head"))
+            continue
         parts[kind] = plugins[kind].create(node) if node is not None else None
     parts.update(default_parts(**{k: parts[k] for k in DEFAULT_PARTS}))
     attach_acceptance(parts["selector"], cfg.get("acceptance"))  # the acceptance group, for cost-aware selectors
@@ -100,6 +101,22 @@ def default_parts(**given: Any) -> dict[str, Any]:
     plugins = get_plugins()
     return {kind: given.get(kind) if given.get(kind) is not None else plugins[kind].get(name).cls()
             for kind, name in DEFAULT_PARTS.items()}
+
+
+def _drafter_with_model_head(plugin: Any, node: DictConfig, head: str | None) -> Any:
+    """The drafter, given the model's own head where its ``path`` is left null; an error about that
+    head's contents names ``model.draft_head``, the key the user set, not the ``drafter.path`` it became."""
+    with_head = _with_model_head(node, head)
+    if with_head is node:
+        return plugin.create(node)
+    try:
+        drafter = plugin.create(with_head)
+    except ModelError as exc:
+        raise ModelError(str(exc).replace(f"drafter.path={head}", f"model.draft_head={head}")) from None
+    loaded = getattr(drafter, "head", None)
+    if loaded is not None:
+        loaded.key = "model.draft_head"  # for the checks at bind (specfit.plugins.drafters.eagle3.checkpoint)
+    return drafter
 
 
 def _with_model_head(node: DictConfig, head: str | None) -> DictConfig:

@@ -81,6 +81,7 @@ CASES: list[tuple[str, str, str]] = [
     (f"{EAGLE} drafter.path=/nope/head", "drafter.path", EARLY),
     # the model's own head is named by its own key, not as the drafter.path it becomes
     (f"{EAGLE} model.draft_head=/nope/head", "model.draft_head=/nope/head: no such directory", EARLY),
+    (f"{EAGLE} model.draft_head={{tmp}}", "model.draft_head={tmp}: no config.json", EARLY),  # so is its contents
     (f"{EAGLE} drafter.seed=x", "drafter.seed", EARLY),
     (f"{EAGLE} drafter.topk=3", "did you mean drafter.top_k?", EARLY),
     (f"{EAGLE} +drafter.depht=3", "did you mean drafter.depth?", EARLY),

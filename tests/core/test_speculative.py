@@ -168,6 +168,10 @@ def test_random_head_is_seeded():
         ("variant_flag", "variant flag parallel_drafting=True is not supported"),
         ("two_layers", "missing tensors layers.1.input_layernorm.weight"),  # config: 2 layers, weights: 1
         ("wrong_vocab", "head vocab_size 300 differs from the target's 256"),
+        # these drafted NaNs, blamed on the drafter mid-decode, or raised inside transformers
+        ("rope_theta", "config.json: rope_theta=0.0 must be a finite number > 0"),
+        ("rms_norm_eps", "config.json: rms_norm_eps=-1.0 must be a finite number > 0"),
+        ("rope_scaling", r"config.json: rope_scaling / rope_parameters .*'warp'.* are not a rotary embedding"),
     ],
 )
 def test_malformed_head_directories_give_clear_errors(tmp_path, breakage, pattern):
@@ -194,12 +198,18 @@ def test_malformed_head_directories_give_clear_errors(tmp_path, breakage, patter
         config["parallel_drafting"] = True
     elif breakage == "two_layers":
         config["num_hidden_layers"] = 2
+    elif breakage == "rope_theta":
+        config["rope_theta"] = 0
+    elif breakage == "rms_norm_eps":
+        config["rms_norm_eps"] = -1
+    elif breakage == "rope_scaling":
+        config["rope_scaling"] = {"rope_type": "warp", "factor": 2.0}
     elif breakage == "wrong_vocab":
         config["vocab_size"] = 300
         state = load_file(str(weights))
         state["t2d"] = torch.ones(300, dtype=torch.bool)
         save_file(state, str(weights))
-    if breakage in ("variant_flag", "two_layers", "wrong_vocab"):
+    if breakage in ("variant_flag", "two_layers", "wrong_vocab", "rope_theta", "rms_norm_eps", "rope_scaling"):
         (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelError, match=pattern):
         Engine(tiny_model(), drafter=Eagle3Drafter(path=str(tmp_path)), device="cpu")

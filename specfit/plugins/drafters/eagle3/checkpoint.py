@@ -87,8 +87,16 @@ def load_head(path: str | Path) -> Eagle3Head:
                 "vocab_size", "draft_vocab_size", "target_hidden_size"):
         if getattr(cfg, key) < 1:
             raise ModelError(f"{config_file}: {key}={getattr(cfg, key)} must be >= 1")
+    for key in ("rms_norm_eps", "rope_theta"):  # 0 or below: NaN drafts, blamed on the drafter mid-decode
+        value = cfg.rms_norm_eps if key == "rms_norm_eps" else cfg.rope_parameters.get("rope_theta", 1.0)
+        if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ModelError(f"{config_file}: {key}={value!r} must be a finite number > 0")
     state = tensor_names(_read_state(path), raw, str(path))
-    head = Eagle3Head(cfg)
+    try:
+        head = Eagle3Head(cfg)
+    except (KeyError, ValueError, TypeError) as exc:  # transformers' rotary embedding refused rope_scaling
+        raise ModelError(f"{config_file}: rope_scaling / rope_parameters {dict(cfg.rope_parameters)} are not a rotary "
+                         f"embedding transformers builds ({type(exc).__name__}: {exc})") from None
     if "embed_tokens.weight" in state:
         head.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
     if "lm_head.weight" not in state:
@@ -136,7 +144,8 @@ def _listed(names: list[str]) -> str:
 def check_head_fits(head: Eagle3Head, target_config: object) -> None:
     """A head trained for another model fails here, naming the head and the mismatch, not mid-draft."""
     cfg, tc = head.cfg, target_config
-    where = f"drafter.path={head.source}" if getattr(head, "source", None) else "the EAGLE-3 head"
+    key = getattr(head, "key", "drafter.path")  # model.draft_head where the head came from the model's config
+    where = f"{key}={head.source}" if getattr(head, "source", None) else "the EAGLE-3 head"
     if cfg.vocab_size != tc.vocab_size:
         raise ModelError(f"{where}: head vocab_size {cfg.vocab_size} differs from the target's {tc.vocab_size}")
     if cfg.target_hidden_size != tc.hidden_size:
