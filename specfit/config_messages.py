@@ -32,7 +32,11 @@ def one_line_config_error(exc: BaseException) -> str:
             if line and line not in seen:
                 seen.append(line)
         err = err.__cause__
-    message = (" ".join(seen) or type(exc).__name__) + _did_you_mean(exc)
+    hint = _did_you_mean(exc)
+    message = (" ".join(seen) or type(exc).__name__) + hint
+    owner = None if hint else _settings_of(exc)
+    if owner is not None:  # not "Key 'objective' not in 'TopByPathProbSelectorConfig'": the plug-in the user chose
+        message = re.sub(r"Key '[^']*' not in '[^']*'", owner, message)
     if _is_parse_error(exc) and "LexerNoViableAltException" in message:  # characters Hydra's grammar refuses
         message = message.replace("LexerNoViableAltException: ", "cannot parse ").split(" See https://")[0]
         message = message.removesuffix(" ^") + _quoting_hint(message)
@@ -64,6 +68,28 @@ def _did_you_mean(exc: BaseException | None) -> str:
                 return f"; did you mean {full[: len(full) - len(key)]}{near[0]}?"
         exc = exc.__cause__
     return ""
+
+
+def _settings_of(exc: BaseException | None) -> str | None:
+    """For a key the chosen plug-in's config does not have: which plug-in that is and what it has
+    (``selector=eagle3 has no setting 'objective' (its settings: ...)``); None for other errors."""
+    import dataclasses
+
+    while exc is not None:
+        schema, key = getattr(exc, "object_type", None), getattr(exc, "key", None)
+        if dataclasses.is_dataclass(schema) and isinstance(key, str):
+            fields = [f for f in dataclasses.fields(schema)]
+            if key in {f.name for f in fields}:
+                return None
+            full = str(getattr(exc, "full_key", None) or key)
+            group = full[: len(full) - len(key)].rstrip(".")
+            name = next((f.default for f in fields if f.name == "name" and isinstance(f.default, str)), None)
+            owner = f"{group}={name}" if group and name else (group or schema.__name__)
+            settings = [f.name for f in fields if f.name != "name"]
+            listed = f"its settings: {', '.join(settings)}" if settings else "it has no settings"
+            return f"{owner} has no setting '{key}' ({listed})"
+        exc = exc.__cause__
+    return None
 
 
 def _is_parse_error(exc: BaseException | None) -> bool:

@@ -85,6 +85,10 @@ CASES: list[tuple[str, str, str]] = [
     (f"{EAGLE} drafter.seed=x", "drafter.seed", EARLY),
     (f"{EAGLE} drafter.topk=3", "did you mean drafter.top_k?", EARLY),
     (f"{EAGLE} +drafter.depht=3", "did you mean drafter.depth?", EARLY),
+    # a setting of another plug-in of the group: named by the plug-in chosen, not its config class
+    (f"{S} drafter.top_k=3", "drafter=none has no setting 'top_k' (it has no settings)", EARLY),
+    (f"{SPEC} selector=greedy selector.objective=rate", "selector=greedy has no setting 'objective' (its settings:",
+     EARLY),
     # the cache and copy engine
     (f"{S} cache.capacity=0", "cache.capacity", EARLY),
     (f"{S} cache.capacity=-3", "cache.capacity", EARLY),
