@@ -34,6 +34,10 @@ def one_line_config_error(exc: BaseException) -> str:
         err = err.__cause__
     hint = _did_you_mean(exc)
     message = (" ".join(seen) or type(exc).__name__) + hint
+    listed = re.search(r"override (\S+?)=(\S+) Invalid value assigned: str is not a ListConfig", message)
+    if listed:  # methods=ar for methods=[ar]
+        key, value = listed.groups()
+        message = f"{key}={value}: {key} takes a list: {key}=[{value}] (or [A,B,...])"
     owner = None if hint else _settings_of(exc)
     if owner is not None:  # not "Key 'objective' not in 'TopByPathProbSelectorConfig'": the plug-in the user chose
         message = re.sub(r"Key '[^']*' not in '[^']*'", owner, message)

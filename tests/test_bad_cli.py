@@ -185,6 +185,7 @@ CASES: list[tuple[str, str, str]] = [
      "use workload.max_prompts=3", EARLY),
     # bench, demo, record, replay, calibrate, trainers
     ("bench model=tiny prompt_ids=[1] methods=[nope]", "nope", EARLY),
+    ("bench model=tiny prompt_ids=[1] methods=ar", "methods=ar: methods takes a list: methods=[ar]", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=[ar] repeats=0", "repeats", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=[ar] repeats=1.5", "repeats", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=[ar] warmup=-1", "warmup", EARLY),

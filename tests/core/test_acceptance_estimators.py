@@ -267,6 +267,8 @@ def test_learned_state_round_trips_and_bad_states_are_refused_or_ignored(tmp_pat
         LearnedAcceptance(state_file=str(bad)).bind(None)
     with pytest.raises(ConfigError, match="no such file"):
         LearnedAcceptance(state_file=str(tmp_path / "missing.json")).bind(None)
+    with pytest.raises(ConfigError, match=r"is a directory, not a file .*acceptance.state_file=.*learned.json"):
+        LearnedAcceptance(state_file=str(tmp_path)).bind(None)  # fit-acceptance's out_dir, not its file
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"state": trained.state()}))
     from_file = LearnedAcceptance(state_file=str(good))

@@ -481,6 +481,9 @@ def load_state_file(path: str) -> dict[str, Any]:
 
     file = Path(path).expanduser()
     where = f"acceptance.state_file={path}"
+    if file.is_dir():  # fit-acceptance's out_dir holds the file: name it
+        raise ConfigError(f"{where}: is a directory, not a file (fit-acceptance writes learned.json in its out_dir: "
+                          f"acceptance.state_file={file / 'learned.json'})")
     if not file.is_file():
         raise ConfigError(f"{where}: no such file (`specfit fit-acceptance trace.path=DIR` writes one)")
     data = read_json_object(file, where, ConfigError, "not a learned acceptance model")
