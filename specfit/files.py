@@ -204,9 +204,15 @@ def read_jsonl(path: str | Path, key: str = "results_file") -> list[dict[str, An
     lines = text.split("\n")
     torn = lines.pop()  # "" when the file ends with a newline
     rows = []
-    for n, line in enumerate(lines, 1):
-        if line.strip():
-            rows.append(_row(line, path, n, key))
+    try:
+        for n, line in enumerate(lines, 1):
+            if line.strip():
+                rows.append(_row(line, path, n, key))
+    except ConfigError:
+        if len(lines) > 1 and _parses(text.encode("utf-8")):  # an indented JSON document, e.g. learned.json
+            raise ConfigError(f"{key}={path}: one JSON document, not JSON lines (one object per line, as specfit's "
+                              "results.jsonl files are); not a specfit results file") from None
+        raise
     if torn.strip():
         if _parses(torn.encode("utf-8")):
             rows.append(json.loads(torn))

@@ -142,6 +142,13 @@ def test_a_corrupt_line_inside_a_results_file_names_file_and_line(tmp_path):
         read_jsonl(path)
 
 
+def test_an_indented_json_document_is_named_as_one(tmp_path):
+    path = tmp_path / "learned.json"  # fit-acceptance's model, given to report by mistake
+    path.write_text('{\n  "state": {"weights": [1.0]}\n}\n')
+    with pytest.raises(ConfigError, match="learned.json: one JSON document, not JSON lines"):
+        read_jsonl(path, "report")
+
+
 @pytest.mark.parametrize("text", ["my notes\nline two", "one line, no newline"])
 def test_a_file_that_is_not_json_lines_is_refused_never_cut(tmp_path, text):
     path = tmp_path / "notes.txt"
