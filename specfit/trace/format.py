@@ -216,7 +216,7 @@ class TraceSequence:
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in _ARRAYS}
 
-    def check(self, where: str, layers: int, top_k: int) -> None:
+    def check(self, where: str, layers: int, top_k: int, num_experts: int | None = None) -> None:
         """Raise :class:`TraceError` unless the arrays fit together (catches truncated or mixed files)."""
 
         def bad(why: str) -> TraceError:
@@ -245,6 +245,23 @@ class TraceSequence:
         sizes = np.diff(self.node_offsets)
         if v and np.any(self.verified_node >= np.repeat(sizes, np.diff(self.verified_offsets))):
             raise bad("a verified node index lies outside its tree")
+        if m:  # each node hangs from the root (depth 1) or from an earlier node one level up, in its own tree
+            local = np.arange(m) - np.repeat(self.node_offsets[:-1], sizes)
+            parent, depth = self.node_parent.astype(np.int64), self.node_depth.astype(np.int64)
+            inside = (parent >= 0) & (parent < local)
+            above = np.where(inside, np.repeat(self.node_offsets[:-1], sizes) + np.where(inside, parent, 0), 0)
+            fits = np.where(parent == -1, depth == 1, inside & (depth[above] == depth - 1))
+            if not fits.all():
+                i = int(np.argmin(fits))
+                raise bad(f"node {int(local[i])} of its tree has parent {int(parent[i])} at depth {int(depth[i])}: "
+                          "not the root or an earlier node one level up")
+            if not np.all(np.isfinite(self.node_log_prob) & (self.node_log_prob <= 1e-6)):
+                raise bad("a node's log-probability is not a finite number <= 0")
+        if num_experts is not None:
+            for name in ("verified_routing", "root_routing", "prefill_routing"):
+                routing = getattr(self, name)
+                if routing.size and (int(routing.min()) < 0 or int(routing.max()) >= num_experts):
+                    raise bad(f"{name} names expert {int(routing.max())}, outside the model's 0..{num_experts - 1}")
 
 
 @dataclass
@@ -467,6 +484,7 @@ def load_trace(path: str | Path, key: str = "trace.path") -> Trace:
     try:
         meta = TraceMeta(**{k: v for k, v in data.items() if k in TraceMeta.__dataclass_fields__})
         layers, top_k = int(meta.spec["num_layers"]), int(meta.spec["top_k"])
+        experts = int(meta.spec["num_experts"]) if "num_experts" in meta.spec else None
         files = [entry["file"] for entry in meta.sequences]
     except (TypeError, KeyError, ValueError) as exc:
         raise TraceError(f"{meta_path}: corrupt ({type(exc).__name__}: {exc})") from exc
@@ -479,11 +497,12 @@ def load_trace(path: str | Path, key: str = "trace.path") -> Trace:
         file = path / name
         if not file.is_file():
             raise TraceError(f"{path}: {name} is missing (the trace is incomplete)")
-        sequences.append(_read_sequence(file, layers, top_k, added=int(meta.version) >= 2))
+        sequences.append(_read_sequence(file, layers, top_k, added=int(meta.version) >= 2, num_experts=experts))
     return Trace(meta, sequences)
 
 
-def _read_sequence(file: Path, layers: int, top_k: int, added: bool = True) -> TraceSequence:
+def _read_sequence(file: Path, layers: int, top_k: int, added: bool = True,
+                   num_experts: int | None = None) -> TraceSequence:
     """One sequence file; ``added=False`` (format version 1): the arrays version 2 added read as NaN."""
     expected = _ARRAYS if added else tuple(k for k in _ARRAYS if k not in _ADDED_IN_2)
     try:
@@ -504,5 +523,5 @@ def _read_sequence(file: Path, layers: int, top_k: int, added: bool = True) -> T
         arrays["root_entropy"] = np.full(positions, np.nan, dtype=np.float32)
         arrays["root_prob"] = np.full(positions, np.nan, dtype=np.float64)
     seq = TraceSequence(**arrays)
-    seq.check(str(file), layers, top_k)
+    seq.check(str(file), layers, top_k, num_experts)
     return seq

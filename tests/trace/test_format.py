@@ -137,6 +137,16 @@ def test_load_errors_are_clear(trace, tmp_path):
     np.savez(path / "seq-00000.npz", **{k: v for k, v in arrays.items() if k != "level_seconds"})
     with pytest.raises(TraceError, match="no level_seconds"):
         load_trace(path)
+    # values a replay would have failed on inside the tree, a cache or an estimator, blamed on them
+    experts = trace.meta.spec["num_experts"]
+    for name, value, message in (
+        ("node_parent", lambda a: np.full_like(a, 99), "has parent 99 at depth 1: not the root or an earlier node"),
+        ("node_log_prob", lambda a: np.full_like(a, np.nan), "log-probability is not a finite number <= 0"),
+        ("verified_routing", lambda a: np.full_like(a, experts), f"verified_routing names expert {experts}, outside"),
+    ):
+        np.savez(path / "seq-00000.npz", **{**arrays, name: value(arrays[name])})
+        with pytest.raises(TraceError, match=f"seq-00000.npz: corrupt trace sequence .*{message}"):
+            load_trace(path)
     assert issubclass(TraceError, ConfigError)  # the CLI prints it as one line
 
 
