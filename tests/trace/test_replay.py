@@ -395,3 +395,17 @@ def test_oracle_acceptance_refuses_live_runs(references):
         Engine(tiny_model(), drafter=scripted(references), selector=selector, cost_model=UnionCostModel(constants=CONSTANTS),
                predictor=HistoryPredictor(), device="cpu")
     assert get_plugins()["acceptance"].get("oracle").cls is OracleAcceptance
+
+
+def test_a_recorded_model_that_moved_says_it_came_from_the_trace(traces):
+    """The user set no model key: the error says the path is the trace's, and how to give another."""
+    import dataclasses
+
+    from specfit.errors import SpecfitError
+    from specfit.trace.replay import model_loader
+
+    trace = traces["scripted", "lru"]
+    moved = dataclasses.replace(trace, meta=dataclasses.replace(trace.meta, config={"model": {"path": "/nope/target"}}))
+    with pytest.raises(SpecfitError, match=r"model.path=/nope/target.*the model the trace was recorded with, from "
+                                           r"its meta.json; give model=NAME or model.path=DIR"):
+        model_loader(moved)()
