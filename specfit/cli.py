@@ -262,11 +262,15 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
         check_config(compose(plain_overrides(args), config_name=config_name))
         values = _override_values(args)
         _check_prompt_or_workload(values)
+        if command in HYDRA_COMMANDS:  # a trainer's own dataclass has only its keys
+            _check_command_keys(command, values)
         _check_run_dir(values)
     elif flags.multirun and not (is_query or elsewhere):  # every job (up to 64), before the first one runs
         for overrides in sweep_jobs(args):
             check_config(compose(overrides, config_name=config_name))
             _check_prompt_or_workload(_override_values(overrides))
+            if command in HYDRA_COMMANDS:
+                _check_command_keys(command, _override_values(overrides))
         _check_run_dir(_override_values(args), "hydra.sweep.dir")
 
     @hydra.main(version_base="1.3", config_path="pkg://specfit.conf", config_name=config_name)
@@ -289,6 +293,20 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
             os.environ["HYDRA_FULL_ERROR"] = full_error
+
+
+# groups only some commands read: given to another, they would change nothing without a word
+_COMMAND_GROUPS = {"replay": ("replay",), "trace": ("record", "replay")}
+
+
+def _check_command_keys(command: str, values: dict[str, Any]) -> None:
+    """``replay.*`` for ``specfit replay``, ``trace.*`` for ``record`` and ``replay``: elsewhere, one line."""
+    for key in values:
+        readers = _COMMAND_GROUPS.get(key.lstrip("+~").split(".", 1)[0])
+        if readers and command not in readers:
+            by = " and ".join(f"specfit {r}" for r in readers)
+            raise ConfigError(f"{key.lstrip('+~')}: only {by} read{'s' if len(readers) == 1 else ''} it; "
+                              f"specfit {command} would ignore it")
 
 
 def _override_values(args: list[str]) -> dict[str, Any]:

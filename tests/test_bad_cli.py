@@ -186,6 +186,9 @@ CASES: list[tuple[str, str, str]] = [
     # bench, demo, record, replay, calibrate, trainers
     ("bench model=tiny prompt_ids=[1] methods=[nope]", "nope", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=ar", "methods=ar: methods takes a list: methods=[ar]", EARLY),
+    # keys only other commands read (they changed nothing here, silently)
+    (f"{S} replay.cost_profile=gpu-like", "replay.cost_profile: only specfit replay reads it; specfit generate", EARLY),
+    ("bench model=tiny prompt_ids=[1] trace.path=/tmp/t", "trace.path: only specfit record and specfit replay", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=[ar] repeats=0", "repeats", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=[ar] repeats=1.5", "repeats", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=[ar] warmup=-1", "warmup", EARLY),
