@@ -186,6 +186,8 @@ CASES: list[tuple[str, str, str]] = [
     # bench, demo, record, replay, calibrate, trainers
     ("bench model=tiny prompt_ids=[1] methods=[nope]", "nope", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=ar", "methods=ar: methods takes a list: methods=[ar]", EARLY),
+    ("replay trace.path=/nope replay.cost_profile=gpu-like cost_model.calibration=/tmp/c.json",
+     "cost_model.calibration and replay.cost_profile=gpu-like both set", EARLY),  # the calibration was ignored
     # keys only other commands read (they changed nothing here, silently)
     (f"{S} replay.cost_profile=gpu-like", "replay.cost_profile: only specfit replay reads it; specfit generate", EARLY),
     ("bench model=tiny prompt_ids=[1] trace.path=/tmp/t", "trace.path: only specfit record and specfit replay", EARLY),

@@ -116,6 +116,11 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
         if group == "drafter" and not (key == "drafter" and o.split("=", 1)[-1].strip() == "none"):
             raise ConfigError(f"{key}: specfit replay replays the trees drafted when the trace was recorded, so only "
                               f"drafter=none (plain decoding) applies; record a trace with it (specfit record {o})")
+    given_constants = [override_key(o) for o in overrides if override_key(o).startswith("cost_model.c")]
+    if cfg.replay.get("cost_profile") is not None and "cost_model.calibration" in given_constants:
+        raise ConfigError(f"cost_model.calibration and replay.cost_profile={cfg.replay.cost_profile} both set the "
+                          "replay's cost constants, and the profile's win: give one")
+    given_constants = [k for k in given_constants if k != "cost_model.calibration"]
     trace = load_trace(cfg.trace.path)
     check_results_file(output_dir / cfg.results_file)  # before the replays run
     draft_time = draft_time_mode(str(cfg.replay.draft_time))  # "recorded" is the earlier name of "measured"
@@ -161,8 +166,9 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
           f"({len(runs) * trace.positions / replaying if replaying > 0 else 0:.0f} positions/s; {wall:.2f}s with "
           f"set-up and warm-up); draft time: {draft_time}")
     if profile is not None:
+        over = f", with {', '.join(given_constants)} as given" if given_constants else ""
         print(f"time: modelled on cost profile {profile} ({cost_profile(profile).description}; "
-              f"specfit.core.cost_profiles), not measured")
+              f"specfit.core.cost_profiles){over}, not measured")
     for r in rows:  # modelled prefetch, and what a prefetcher could not replay (lookahead)
         if r.get("prefetch_note"):
             print(f"prefetch={r['prefetch']} ({r['method']}): {r['prefetch_note']}")

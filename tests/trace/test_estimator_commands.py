@@ -34,6 +34,7 @@ def test_replay_with_a_profile_charges_its_constants_and_says_time_is_modelled(t
           f"replay.cost_profile={PROFILE}", "cost_model.c_tok=0.001", f"hydra.run.dir={tmp_path}"])
     out = capsys.readouterr().out
     assert f"time: modelled on cost profile {PROFILE}" in out and "draft time: modelled" in out
+    assert "with cost_model.c_tok as given, not measured" in out  # the header says the profile was not all
     rows = {r["method"]: r for r in rows_of(tmp_path / "results.jsonl")}
     profile = COST_PROFILES[PROFILE].constants
     assert set(rows) == {"ar", "specfit_learned"}
