@@ -321,11 +321,15 @@ class Trace:
     @property
     def notes(self) -> list[str]:
         """What this trace cannot give a replay (said once, by the commands that read it)."""
+        notes = []
         if self.meta.version < 2:
-            return [f"trace format {self.meta.version} carries no draft-head entropies or target root "
-                    f"probabilities: the learned acceptance estimator falls back to its approximations "
-                    f"(re-record with `specfit record` for them)"]
-        return []
+            notes.append(f"trace format {self.meta.version} carries no draft-head entropies or target root "
+                         f"probabilities: the learned acceptance estimator falls back to its approximations "
+                         f"(re-record with `specfit record` for them)")
+        if self.sequences and not any(len(seq.node_token) for seq in self.sequences):
+            notes.append(f"the trace holds no drafted nodes (drafter={self.meta.drafter.get('name')}): every "
+                         "selector verifies the root alone and equals the oracle; record with a drafter to compare them")
+        return notes
 
     def save(self, path: str | Path, overwrite: bool = False) -> Path:
         """Write the trace directory; refuses to mix with an existing trace unless ``overwrite``."""

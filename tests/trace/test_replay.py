@@ -409,3 +409,10 @@ def test_a_recorded_model_that_moved_says_it_came_from_the_trace(traces):
     with pytest.raises(SpecfitError, match=r"model.path=/nope/target.*the model the trace was recorded with, from "
                                            r"its meta.json; give model=NAME or model.path=DIR"):
         model_loader(moved)()
+
+
+def test_a_trace_without_drafts_says_every_selector_equals_the_oracle():
+    """drafter=none records roots alone: a replay of selectors on it compares nothing, and says so."""
+    trace = record(Engine(tiny_model(), device="cpu"), PROMPTS[:1], max_new_tokens=4)
+    assert not any(len(seq.node_token) for seq in trace.sequences)
+    assert any("holds no drafted nodes" in note and "equals the oracle" in note for note in trace.notes)
