@@ -172,6 +172,7 @@ def test_random_head_is_seeded():
         ("rope_theta", "config.json: rope_theta=0.0 must be a finite number > 0"),
         ("rms_norm_eps", "config.json: rms_norm_eps=-1.0 must be a finite number > 0"),
         ("rope_scaling", r"config.json: rope_scaling / rope_parameters .*'warp'.* are not a rotary embedding"),
+        ("a_target", "a Qwen3MoeForCausalLM checkpoint, not an EAGLE-3 head"),  # not a list of 1,000 tensor names
     ],
 )
 def test_malformed_head_directories_give_clear_errors(tmp_path, breakage, pattern):
@@ -198,6 +199,9 @@ def test_malformed_head_directories_give_clear_errors(tmp_path, breakage, patter
         config["parallel_drafting"] = True
     elif breakage == "two_layers":
         config["num_hidden_layers"] = 2
+    elif breakage == "a_target":  # the target's own directory, named as the head
+        tiny_model().save_pretrained(tmp_path)
+        config = json.loads((tmp_path / "config.json").read_text())
     elif breakage == "rope_theta":
         config["rope_theta"] = 0
     elif breakage == "rms_norm_eps":

@@ -12,7 +12,7 @@ from torch import nn
 from specfit.errors import ModelError
 from specfit.files import missing_directory, read_json_object
 from specfit.plugins.drafters.eagle3.head import Eagle3Config, Eagle3Head
-from specfit.plugins.drafters.eagle3.layouts import config_from_json, config_to_hf, tensor_names
+from specfit.plugins.drafters.eagle3.layouts import config_from_json, config_to_hf, is_speculators, tensor_names
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -107,7 +107,15 @@ def load_head(path: str | Path) -> Eagle3Head:
     optional = {"t2d"} | ({"d2t"} if cfg.draft_vocab_size == cfg.vocab_size else set())
     if not cfg.norm_output and not cfg.feed_normed:
         optional.add("norm.weight")  # SpecForge's norm_output=false: the final norm is never applied
-    _check_names(path, config_file, set(expected), set(state), optional)
+    try:
+        _check_names(path, config_file, set(expected), set(state), optional)
+    except ModelError:
+        architectures = raw.get("architectures") or []
+        if architectures and not any("eagle" in str(a).lower() for a in architectures) and not is_speculators(raw):
+            raise ModelError(f"drafter.path={path}: a {', '.join(map(str, architectures))} checkpoint, not an EAGLE-3 "
+                             "head: name a head's directory (the weights of LlamaForCausalLMEagle3 or a speculators "
+                             "eagle3 model)") from None
+        raise
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise ModelError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, config.json implies {tuple(expected[name].shape)}")
