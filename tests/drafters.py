@@ -64,3 +64,18 @@ class ScriptedDrafter:
             level = tree.add_level(parents, tokens, logps)
             frontier = list(level)
             yield level
+
+
+def first_tree(engine: Any, drafter: Any, prompt: Sequence[int]) -> tuple[Any, int, DraftTree]:
+    """``(prefill, root, tree)``: the engine's prefill of ``prompt``, its greedy next token (the
+    root) and the tree ``drafter`` (the engine's) drafts from it, every level."""
+    import torch
+
+    with torch.inference_mode():
+        prefill = engine.target.prefill(prompt)
+        root = int(prefill.logits[-1].argmax())
+        drafter.start(prompt, prefill.features, root)
+        tree = DraftTree(root_token=root)
+        for _ in drafter.draft(tree):
+            pass
+    return prefill, root, tree

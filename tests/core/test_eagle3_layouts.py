@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_model
+from drafters import first_tree
 from safetensors.torch import load_file, save_file
 
 from specfit import Engine
-from specfit.core.tree import DraftTree
 from specfit.errors import ModelError
 from specfit.plugins.drafters.eagle3.checkpoint import head_config_for, load_head, random_head, save_head
 from specfit.plugins.drafters.eagle3.drafter import Eagle3Drafter
@@ -105,13 +105,7 @@ def trace(model: torch.nn.Module, head: object, new: int = 12) -> tuple[list, li
     Each engine gets its own copy of ``model`` (an engine takes over the model's experts)."""
     drafter = Eagle3Drafter(top_k=3, depth=3, total_tokens=10, head=head)
     engine = Engine(copy.deepcopy(model), drafter=drafter, device="cpu")
-    with torch.inference_mode():
-        prefill = engine.target.prefill(PROMPT)
-        root = int(prefill.logits[-1].argmax())
-        drafter.start(PROMPT, prefill.features, root)
-        tree = DraftTree(root_token=root)
-        for _ in drafter.draft(tree):
-            pass
+    tree = first_tree(engine, drafter, PROMPT)[2]
     engine = Engine(copy.deepcopy(model), drafter=Eagle3Drafter(top_k=3, depth=3, total_tokens=10, head=head),
                     device="cpu")
     out = engine.generate(PROMPT, max_new_tokens=new)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from conftest import ARCHITECTURES, tiny_model
-from drafters import ScriptedDrafter
+from drafters import ScriptedDrafter, first_tree
 
 from specfit import Engine
 from specfit.errors import ConfigError, ModelError
@@ -250,21 +250,15 @@ def test_tree_drafting_equals_drafting_each_path_alone(window):
     only its latest ``window`` positions (5, fewer than the prompt's 8)."""
     import torch.nn.functional as F
 
-    from specfit.core.tree import DraftTree
     from specfit.plugins.drafters.eagle3.head import KVBuffer
 
     drafter = Eagle3Drafter(top_k=3, depth=4, total_tokens=20, attention_window=window or 0)
     engine = Engine(tiny_model(), drafter=drafter, device="cpu")
     head = drafter.head
     assert drafter.window == window
+    prefill, root, tree = first_tree(engine, drafter, PROMPT)
+    assert drafter.kv.length == len(PROMPT)  # tree pairs dropped after drafting
     with torch.inference_mode():
-        prefill = engine.target.prefill(PROMPT)
-        root = int(prefill.logits[-1].argmax())
-        drafter.start(PROMPT, prefill.features, root)
-        tree = DraftTree(root_token=root)
-        for _ in drafter.draft(tree):
-            pass
-        assert drafter.kv.length == len(PROMPT)  # tree pairs dropped after drafting
         for v in range(len(tree)):
             kv = KVBuffer(head.cfg.num_key_value_heads, head.cfg.head_dim, drafter.dtype, drafter.device)
             tokens = torch.tensor(PROMPT[1:] + [root])
@@ -286,14 +280,7 @@ def test_a_long_prompt_caught_up_in_chunks_drafts_what_one_step_drafts(monkeypat
     def drafted(chunk: int) -> DraftTree:
         monkeypatch.setattr(drafter_module, "CATCH_UP_CHUNK", chunk)
         drafter = Eagle3Drafter(top_k=3, depth=3, total_tokens=12, attention_window=window or 0)
-        engine = Engine(tiny_model(), drafter=drafter, device="cpu")
-        with torch.inference_mode():
-            prefill = engine.target.prefill(PROMPT)
-            root = int(prefill.logits[-1].argmax())
-            drafter.start(PROMPT, prefill.features, root)
-            tree = DraftTree(root_token=root)
-            for _ in drafter.draft(tree):
-                pass
+        tree = first_tree(Engine(tiny_model(), drafter=drafter, device="cpu"), drafter, PROMPT)[2]
         assert drafter.kv.length == len(PROMPT)
         return tree
 
