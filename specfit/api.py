@@ -111,8 +111,11 @@ def _drafter_with_model_head(plugin: Any, node: DictConfig, head: str | None) ->
         return plugin.create(node)
     try:
         drafter = plugin.create(with_head)
-    except ModelError as exc:
-        raise ModelError(str(exc).replace(f"drafter.path={head}", f"model.draft_head={head}")) from None
+    except ModelError as exc:  # the head's errors name the path as load_head resolved it (~ expanded)
+        message = str(exc)
+        for spelled in dict.fromkeys((str(head), str(Path(head).expanduser()))):
+            message = message.replace(f"drafter.path={spelled}", f"model.draft_head={head}")
+        raise ModelError(message) from None
     loaded = getattr(drafter, "head", None)
     if loaded is not None:
         loaded.key = "model.draft_head"  # for the checks at bind (specfit.plugins.drafters.eagle3.checkpoint)

@@ -34,7 +34,7 @@ def one_line_config_error(exc: BaseException) -> str:
         err = err.__cause__
     hint = _did_you_mean(exc)
     message = (" ".join(seen) or type(exc).__name__) + hint
-    listed = re.search(r"override (\S+?)=(\S+) Invalid value assigned: str is not a ListConfig", message)
+    listed = re.search(r"override (\S+?)=(\S+) Invalid value assigned: \w+ is not a ListConfig", message)
     if listed:  # methods=ar for methods=[ar]
         key, value = listed.groups()
         message = f"{key}={value}: {key} takes a list: {key}=[{value}] (or [A,B,...])"
@@ -74,6 +74,11 @@ def _did_you_mean(exc: BaseException | None) -> str:
     return ""
 
 
+# the groups whose config is the chosen plug-in's own (its ``name`` is the option: selector=eagle3);
+# specfit.interfaces.protocols.KINDS, spelled here so this module imports nothing of specfit's
+_PLUGIN_GROUPS = ("drafter", "selector", "cost_model", "predictor", "cache", "prefetch", "acceptance")
+
+
 def _settings_of(exc: BaseException | None) -> str | None:
     """For a key the chosen plug-in's config does not have: which plug-in that is and what it has
     (``selector=eagle3 has no setting 'objective' (its settings: ...)``); None for other errors."""
@@ -88,6 +93,8 @@ def _settings_of(exc: BaseException | None) -> str | None:
             full = str(getattr(exc, "full_key", None) or key)
             group = full[: len(full) - len(key)].rstrip(".")
             name = next((f.default for f in fields if f.name == "name" and isinstance(f.default, str)), None)
+            if group not in _PLUGIN_GROUPS:  # a config's default name is the chosen option only for a plug-in
+                name = None
             owner = f"{group}={name}" if group and name else (group or schema.__name__)
             settings = [f.name for f in fields if f.name != "name"]
             listed = f"its settings: {', '.join(settings)}" if settings else "it has no settings"

@@ -35,7 +35,7 @@ CASES: list[tuple[str, str, str]] = [
     ("generate model=tiny prompt_ids=[[1,2],[3]]", "prompt_ids", EARLY),
     ('generate model=tiny prompt_ids=["a",2]', "prompt_ids", EARLY),
     ("generate model=tiny prompt_ids=[]", "prompt_ids", EARLY),
-    ("generate model=tiny prompt_ids=5", "prompt_ids", EARLY),
+    ("generate model=tiny prompt_ids=5", "prompt_ids=5: prompt_ids takes a list: prompt_ids=[5]", EARLY),
     ("generate model=tiny prompt_ids=[99999999]", "outside the vocabulary", LATE),
     ("generate model=tiny prompt_ids=[-1]", "outside the vocabulary", LATE),
     (f"{S} stop_token_ids=[1.5]", "stop_token_ids", EARLY),
@@ -87,6 +87,7 @@ CASES: list[tuple[str, str, str]] = [
     (f"{EAGLE} +drafter.depht=3", "did you mean drafter.depth?", EARLY),
     # a setting of another plug-in of the group: named by the plug-in chosen, not its config class
     (f"{S} drafter.top_k=3", "drafter=none has no setting 'top_k' (it has no settings)", EARLY),
+    (f"{S} workload=prose workload.foo=1", "workload has no setting 'foo' (its settings: kind,", EARLY),  # not a plug-in
     (f"{SPEC} selector=greedy selector.objective=rate", "selector=greedy has no setting 'objective' (its settings:",
      EARLY),
     # the cache and copy engine

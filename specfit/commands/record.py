@@ -84,12 +84,9 @@ def run(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
           + (f" ({len(done)} sequences from the interrupted recording)" if done else "")
           + ("" if trace.meta.constants else " (no cost constants: replays need cost_model.calibration=FILE "
                                                  "or cost_model.c0/c_tok/c_miss/c_hit)"))
-    if nodes:
-        print(f"replay it: specfit replay trace.path={path} selector=specfit predictor=history cache=lru cache.capacity=N")
-    else:  # drafter=none (or a drafter that drafted nothing): no tree for a selector to choose from
-        print(f"note: the trace holds no drafted nodes (drafter={trace.meta.drafter.get('name')}): its replays verify "
-              "the root alone, whatever the selector, so every selector equals the oracle; record with a drafter "
-              "(drafter=eagle3) to compare selectors")
+    print(f"replay it: specfit replay trace.path={path} selector=specfit predictor=history cache=lru cache.capacity=N")
+    for note in trace.notes:  # e.g. no drafted nodes (drafter=none): every selector equals the oracle
+        print(f"note: {note}")
     row = {"command": "record", "trace": str(path), "sequences": len(trace.sequences), "positions": positions,
            "recorded_nodes": nodes, "bytes": size, "record_seconds": seconds, "drafter": trace.meta.drafter,
            "cost_constants": trace.meta.constants, "config": config}

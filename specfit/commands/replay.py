@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from specfit.config import override_key
 from specfit.core.acceptance_estimators import attach_acceptance
 from specfit.core.cost_profiles import cost_profile
+from specfit.plugins.cost_models.union import OVERRIDES as COST_OVERRIDES
 from specfit.errors import ConfigError
 from specfit.registry import get_plugins
 from specfit.files import check_results_file
@@ -116,11 +117,12 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
         if group == "drafter" and not (key == "drafter" and o.split("=", 1)[-1].strip() == "none"):
             raise ConfigError(f"{key}: specfit replay replays the trees drafted when the trace was recorded, so only "
                               f"drafter=none (plain decoding) applies; record a trace with it (specfit record {o})")
-    given_constants = [override_key(o) for o in overrides if override_key(o).startswith("cost_model.c")]
-    if cfg.replay.get("cost_profile") is not None and "cost_model.calibration" in given_constants:
+    constants = {f"cost_model.{k}" for k in COST_OVERRIDES}
+    given_constants = [override_key(o) for o in overrides if override_key(o) in constants]
+    calibration = [o.split("=", 1)[-1].strip() for o in overrides if override_key(o) == "cost_model.calibration"]
+    if cfg.replay.get("cost_profile") is not None and calibration and calibration[-1] not in ("", "null"):
         raise ConfigError(f"cost_model.calibration and replay.cost_profile={cfg.replay.cost_profile} both set the "
                           "replay's cost constants, and the profile's win: give one")
-    given_constants = [k for k in given_constants if k != "cost_model.calibration"]
     trace = load_trace(cfg.trace.path)
     check_results_file(output_dir / cfg.results_file)  # before the replays run
     draft_time = draft_time_mode(str(cfg.replay.draft_time))  # "recorded" is the earlier name of "measured"

@@ -261,7 +261,8 @@ class TraceSequence:
             for name in ("verified_routing", "root_routing", "prefill_routing"):
                 routing = getattr(self, name)
                 if routing.size and (int(routing.min()) < 0 or int(routing.max()) >= num_experts):
-                    raise bad(f"{name} names expert {int(routing.max())}, outside the model's 0..{num_experts - 1}")
+                    wrong = int(routing.min()) if int(routing.min()) < 0 else int(routing.max())
+                    raise bad(f"{name} names expert {wrong}, outside the model's 0..{num_experts - 1}")
 
 
 @dataclass

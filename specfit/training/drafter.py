@@ -711,8 +711,9 @@ def _init_from(head: Any, path: str, layers: Sequence[int], num_layers: int) -> 
         for name, tensor in own.items():
             if name in saved:
                 tensor.copy_(saved[name].to(tensor.dtype))
-    if loaded.cfg.attention_window:  # it was trained on its windows too
-        head.cfg.attention_window = max(head.cfg.attention_window or 0, loaded.cfg.attention_window)
+    # it was trained on its own windows too; a head that does not say (another trainer's): unknown, so none
+    saved_window = loaded.cfg.attention_window
+    head.cfg.attention_window = max(head.cfg.attention_window or 0, saved_window) if saved_window else None
 
 
 class _Window:

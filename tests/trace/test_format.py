@@ -143,6 +143,7 @@ def test_load_errors_are_clear(trace, tmp_path):
         ("node_parent", lambda a: np.full_like(a, 99), "has parent 99 at depth 1: not the root or an earlier node"),
         ("node_log_prob", lambda a: np.full_like(a, np.nan), "log-probability is not a finite number <= 0"),
         ("verified_routing", lambda a: np.full_like(a, experts), f"verified_routing names expert {experts}, outside"),
+        ("root_routing", lambda a: np.full(a.shape, -1, dtype=np.int16), "root_routing names expert -1, outside"),
     ):
         np.savez(path / "seq-00000.npz", **{**arrays, name: value(arrays[name])})
         with pytest.raises(TraceError, match=f"seq-00000.npz: corrupt trace sequence .*{message}"):

@@ -4,6 +4,7 @@ loss, resume, the public layout, and acceptance against a random head."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -219,8 +220,17 @@ def test_init_from_starts_at_the_saved_head_and_continues_training(patterned, tr
                                  warmup_steps=1, **evaluated))
     loss = lambda out: json.loads((out / "training_summary.json").read_text())["eval_loss"]  # noqa: E731
     assert loss(cont) < loss(fresh)  # it starts from the trained head, not from a random one
-    # it was trained on the saved head's windows too: the longer of the two
-    assert load_head(cont).cfg.attention_window == load_head(trained_head).cfg.attention_window
+    # it was trained on the saved head's windows too: the longer of the two (32 against 16), and a saved
+    # head that does not say (another trainer's) leaves the window unknown
+    shorter = train_drafter(_config(patterned, tmp_path / "shorter", init_from=str(trained_head), max_steps=1,
+                                    warmup_steps=1, seq_len=16))
+    assert load_head(shorter).cfg.attention_window == load_head(trained_head).cfg.attention_window == 32
+    unsaid = tmp_path / "unsaid"
+    shutil.copytree(trained_head, unsaid)
+    config = json.loads((unsaid / "config.json").read_text())
+    (unsaid / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "attention_window"}))
+    again = train_drafter(_config(patterned, tmp_path / "again", init_from=str(unsaid), max_steps=1, warmup_steps=1))
+    assert load_head(again).cfg.attention_window is None
     assert any(r.get("event") == "start" and r["init_from"] == str(trained_head) for r in _log(cont))
     with pytest.raises(ValueError, match="init_from"):
         train_drafter(_config(patterned, tmp_path / "bad", init_from=str(trained_head), max_steps=1,

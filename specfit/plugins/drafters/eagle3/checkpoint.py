@@ -111,7 +111,10 @@ def load_head(path: str | Path) -> Eagle3Head:
         _check_names(path, config_file, set(expected), set(state), optional)
     except ModelError:
         architectures = raw.get("architectures") or []
-        if architectures and not any("eagle" in str(a).lower() for a in architectures) and not is_speculators(raw):
+        # a whole model: no fc, which every EAGLE-3 head that fuses features has (a head named LlamaForCausalLM too)
+        whole_model = "fc.weight" not in state and cfg.use_aux_hidden_state
+        if whole_model and architectures and not any("eagle" in str(a).lower() for a in architectures) \
+                and not is_speculators(raw):
             raise ModelError(f"drafter.path={path}: a {', '.join(map(str, architectures))} checkpoint, not an EAGLE-3 "
                              "head: name a head's directory (the weights of LlamaForCausalLMEagle3 or a speculators "
                              "eagle3 model)") from None
