@@ -259,11 +259,11 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
     elsewhere = flags.config_path or flags.config_name or flags.config_dir or flags.experimental_rerun
     if not (is_query or elsewhere or flags.multirun):
         # one clear line for a bad key or value, before Hydra starts and before any model is built
-        check_config(compose(plain_overrides(args), config_name=config_name))
         values = _override_values(args)
-        _check_prompt_or_workload(values)
-        if command in HYDRA_COMMANDS:  # a trainer's own dataclass has only its keys
+        if command in HYDRA_COMMANDS:  # first: a key this command ignores needs no checking of its value
             _check_command_keys(command, values)
+        check_config(compose(plain_overrides(args), config_name=config_name))
+        _check_prompt_or_workload(values)
         _check_run_dir(values)
     elif flags.multirun and not (is_query or elsewhere):  # every job (up to 64), before the first one runs
         for overrides in sweep_jobs(args):
