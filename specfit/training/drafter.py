@@ -365,7 +365,8 @@ def load_train_tokens(cfg: TrainDrafterConfig, tokenizer: Any | None, vocab_size
     return TokenData(tokens.astype(np.int32), offsets, kinds)
 
 
-def load_eval_windows(cfg: TrainDrafterConfig, tokenizer: Any | None) -> np.ndarray | None:
+def load_eval_windows(cfg: TrainDrafterConfig, tokenizer: Any | None,
+                      vocab_size: int | None = None) -> np.ndarray | None:
     """Held-out windows of ``seq_len`` tokens: ``eval_files`` if given, else the built-in held-out
     documents (prose and GSM, half each); None when there is nothing held out or eval is off."""
     from specfit.training.common import read_text_files
@@ -382,7 +383,7 @@ def load_eval_windows(cfg: TrainDrafterConfig, tokenizer: Any | None) -> np.ndar
             docs += [a.astype(np.int64) for a in arrays]
         for path in cfg.eval_files:
             if path.endswith(".npy"):
-                docs += _npy_documents(path, "eval_files")
+                docs += _npy_documents(path, "eval_files", vocab_size)
         stream = np.concatenate(docs)
         n = len(stream) // cfg.seq_len
         if n == 0:
@@ -579,7 +580,7 @@ def train_drafter(cfg: TrainDrafterConfig) -> Path:
     tokenizer = load_tokenizer(cfg.tokenizer_dir or cfg.target_dir, tokenizer_key) if needs_text else None
     data = load_train_tokens(cfg, tokenizer, vocab_size)
     sampler = WindowSampler(data, cfg.seq_len, cfg.batch_size, cfg.seed)
-    heldout = load_eval_windows(cfg, tokenizer)
+    heldout = load_eval_windows(cfg, tokenizer, vocab_size)
 
     counted = data.tokens if cfg.vocab_count_tokens is None else data.tokens[: cfg.vocab_count_tokens]
     counts = token_counts(counted, vocab_size)

@@ -302,7 +302,7 @@ def test_a_bad_token_file_is_named_before_training(tmp_path, content, message):
     import re
 
     from specfit.errors import ConfigError
-    from specfit.training.drafter import load_train_tokens
+    from specfit.training.drafter import load_eval_windows, load_train_tokens
 
     path = tmp_path / "tokens.npy"
     value = content()
@@ -313,3 +313,6 @@ def test_a_bad_token_file_is_named_before_training(tmp_path, content, message):
     cfg = TrainDrafterConfig(include_builtin_data=False, train_files=[str(path)], out_dir=str(tmp_path / "out"))
     with pytest.raises(ConfigError, match=f"train_files: {re.escape(str(path))}.*{message}"):
         load_train_tokens(cfg, None, 64)
+    held_out = TrainDrafterConfig(include_builtin_data=False, eval_files=[str(path)], eval_windows=2, seq_len=2)
+    with pytest.raises(ConfigError, match=f"eval_files: {re.escape(str(path))}.*{message}"):  # held out alike
+        load_eval_windows(held_out, None, 64)
