@@ -260,8 +260,7 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
     if not (is_query or elsewhere or flags.multirun):
         # one clear line for a bad key or value, before Hydra starts and before any model is built
         values = _override_values(args)
-        if command in HYDRA_COMMANDS:  # first: a key this command ignores needs no checking of its value
-            _check_command_keys(command, values)
+        _check_command_keys(command, values)  # first: a key this command ignores needs no checking of its value
         check_config(compose(plain_overrides(args), config_name=config_name))
         _check_prompt_or_workload(values)
         _check_run_dir(values)
@@ -269,8 +268,7 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
         for overrides in sweep_jobs(args):
             check_config(compose(overrides, config_name=config_name))
             _check_prompt_or_workload(_override_values(overrides))
-            if command in HYDRA_COMMANDS:
-                _check_command_keys(command, _override_values(overrides))
+            _check_command_keys(command, _override_values(overrides))
         _check_run_dir(_override_values(args), "hydra.sweep.dir")
 
     @hydra.main(version_base="1.3", config_path="pkg://specfit.conf", config_name=config_name)
@@ -300,7 +298,10 @@ _COMMAND_GROUPS = {"replay": ("replay",), "trace": ("record", "replay")}
 
 
 def _check_command_keys(command: str, values: dict[str, Any]) -> None:
-    """``replay.*`` for ``specfit replay``, ``trace.*`` for ``record`` and ``replay``: elsewhere, one line."""
+    """``replay.*`` for ``specfit replay``, ``trace.*`` for ``record`` and ``replay``: elsewhere, one line.
+    A trainer's command (its own dataclass: only its keys, ``trace.path`` for fit-acceptance) is not asked."""
+    if command not in HYDRA_COMMANDS:
+        return
     for key in values:
         readers = _COMMAND_GROUPS.get(key.lstrip("+~").split(".", 1)[0])
         if readers and command not in readers:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import sys
+from typing import Any
 
 _noted: set[str] = set()
 
@@ -58,19 +59,31 @@ def _quoting_hint(message: str) -> str:
             f" '{key}=\"...\"'{extra})")
 
 
+def _typed_key(exc: BaseException | None) -> tuple[Any, str, str] | None:
+    """(the node's dataclass, the key, its full key) of the first error in the chain that OmegaConf
+    raised about a key of a typed node; None when there is none."""
+    import dataclasses
+
+    while exc is not None:
+        schema, key = getattr(exc, "object_type", None), getattr(exc, "key", None)
+        if dataclasses.is_dataclass(schema) and isinstance(key, str):
+            return schema, key, str(getattr(exc, "full_key", None) or key)
+        exc = exc.__cause__
+    return None
+
+
 def _did_you_mean(exc: BaseException | None) -> str:
     """For a misspelt key of a typed node (OmegaConf names the node's dataclass): the nearest field."""
     import dataclasses
     import difflib
 
-    while exc is not None:
-        schema, key = getattr(exc, "object_type", None), getattr(exc, "key", None)
-        if dataclasses.is_dataclass(schema) and isinstance(key, str):
-            near = difflib.get_close_matches(key, [f.name for f in dataclasses.fields(schema)], n=1)
-            if near and near[0] != key:  # a key that exists was given a bad value: nothing to suggest
-                full = str(getattr(exc, "full_key", None) or key)
-                return f"; did you mean {full[: len(full) - len(key)]}{near[0]}?"
-        exc = exc.__cause__
+    typed = _typed_key(exc)
+    if typed is None:
+        return ""
+    schema, key, full = typed
+    near = difflib.get_close_matches(key, [f.name for f in dataclasses.fields(schema)], n=1)
+    if near and near[0] != key:  # a key that exists was given a bad value: nothing to suggest
+        return f"; did you mean {full[: len(full) - len(key)]}{near[0]}?"
     return ""
 
 
@@ -84,23 +97,21 @@ def _settings_of(exc: BaseException | None) -> str | None:
     (``selector=eagle3 has no setting 'objective' (its settings: ...)``); None for other errors."""
     import dataclasses
 
-    while exc is not None:
-        schema, key = getattr(exc, "object_type", None), getattr(exc, "key", None)
-        if dataclasses.is_dataclass(schema) and isinstance(key, str):
-            fields = [f for f in dataclasses.fields(schema)]
-            if key in {f.name for f in fields}:
-                return None
-            full = str(getattr(exc, "full_key", None) or key)
-            group = full[: len(full) - len(key)].rstrip(".")
-            name = next((f.default for f in fields if f.name == "name" and isinstance(f.default, str)), None)
-            if group not in _PLUGIN_GROUPS:  # a config's default name is the chosen option only for a plug-in
-                name = None
-            owner = f"{group}={name}" if group and name else (group or schema.__name__)
-            settings = [f.name for f in fields if f.name != "name"]
-            listed = f"its settings: {', '.join(settings)}" if settings else "it has no settings"
-            return f"{owner} has no setting '{key}' ({listed})"
-        exc = exc.__cause__
-    return None
+    typed = _typed_key(exc)
+    if typed is None:
+        return None
+    schema, key, full = typed
+    fields = dataclasses.fields(schema)
+    if key in {f.name for f in fields}:
+        return None
+    group = full[: len(full) - len(key)].rstrip(".")
+    # a config's default name is the chosen option only for a plug-in's
+    name = next((f.default for f in fields if f.name == "name" and isinstance(f.default, str)), None) \
+        if group in _PLUGIN_GROUPS else None
+    owner = f"{group}={name}" if group and name else (group or schema.__name__)
+    settings = [f.name for f in fields if f.name != "name"]
+    listed = f"its settings: {', '.join(settings)}" if settings else "it has no settings"
+    return f"{owner} has no setting '{key}' ({listed})"
 
 
 def _is_parse_error(exc: BaseException | None) -> bool:

@@ -87,8 +87,8 @@ def load_head(path: str | Path) -> Eagle3Head:
                 "vocab_size", "draft_vocab_size", "target_hidden_size"):
         if getattr(cfg, key) < 1:
             raise ModelError(f"{config_file}: {key}={getattr(cfg, key)} must be >= 1")
-    for key in ("rms_norm_eps", "rope_theta"):  # 0 or below: NaN drafts, blamed on the drafter mid-decode
-        value = cfg.rms_norm_eps if key == "rms_norm_eps" else cfg.rope_parameters.get("rope_theta", 1.0)
+    # 0 or below: NaN drafts, blamed on the drafter mid-decode
+    for key, value in (("rms_norm_eps", cfg.rms_norm_eps), ("rope_theta", cfg.rope_parameters.get("rope_theta", 1.0))):
         if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
             raise ModelError(f"{config_file}: {key}={value!r} must be a finite number > 0")
     state = tensor_names(_read_state(path), raw, str(path))
