@@ -39,6 +39,8 @@ commands:
              train-drafter's train_files (self-distillation):  specfit distill-data target_dir=DIR out=F.npy
   fit-acceptance  fit the learned acceptance model on a trace, score every estimator on held-out ones:
              specfit fit-acceptance trace.path=DIR held_out=[DIR2]
+  fit-probe  fit a trained EAGLE-3 head's acceptance probe on the target's own text (rows from distill-data):
+             specfit fit-probe target_dir=DIR head_dir=HEAD train_files=[rows.npy] eval_files=[heldout.npy]
 
 Overrides use Hydra syntax; `specfit <command> --cfg job` shows every key. A mistake is one line
 (exit status 2); verbose=true adds the traceback. Docs: docs/user-guide.md
@@ -56,6 +58,7 @@ TRAIN_COMMANDS: dict[str, tuple[str, str, str]] = {
     "eval-target": ("specfit.training.target", "EvalTargetConfig", "eval_target"),
     "distill-data": ("specfit.training.distill", "DistillDataConfig", "distill_data"),
     "fit-acceptance": ("specfit.commands.fit_acceptance", "FitAcceptanceConfig", "fit_acceptance"),
+    "fit-probe": ("specfit.training.probe", "FitProbeConfig", "fit_probe"),
 }
 
 _TRUE = ("true", "1", "yes", "on")

@@ -6,7 +6,7 @@ target has not processed yet; ``parent == -1`` marks a child of the root.
 
 Besides the nodes, a tree may carry what acceptance estimators learn from and that only the
 drafter or the verifier knows: the draft head's entropy at each node it expanded (and at the
-root), the target's probability of the root token, and the sequence the tree continues. All are
+root) and its acceptance probe's logit there, the target's probability of the root token, and the sequence the tree continues. All are
 optional: NaN / None when the drafter or verifier does not provide them.
 """
 
@@ -49,6 +49,11 @@ class DraftTree:
     # and at the root (NaN: unknown).
     entropy: np.ndarray | None = None
     root_entropy: float = float("nan")
+    # The drafter's own estimate, as a logit, that the head's top-1 child of each node it expanded
+    # (and of the root) is accepted given the node is: its acceptance probe's output, laid out as
+    # ``entropy`` (grown by set_accept_logit; NaN: not expanded, or no probe).
+    accept_logit: np.ndarray | None = None
+    root_accept_logit: float = float("nan")
     # The target's probability of the root token where it produced it (the last verification's
     # bonus, or the prefill's first token): greedy, the softmax of its argmax; sampling, the sampled
     # token's under the processed distribution. None: the verifier did not tell.
@@ -117,39 +122,63 @@ class DraftTree:
 
     def set_entropy(self, nodes: Sequence[int], values: Sequence[float]) -> None:
         """Record the head's entropy at the expanded ``nodes`` (``ROOT`` for the root)."""
+        self._record("entropy", nodes, values)
+
+    def set_accept_logit(self, nodes: Sequence[int], values: Sequence[float]) -> None:
+        """Record the drafter's acceptance logit at the expanded ``nodes`` (``ROOT`` for the root)."""
+        self._record("accept_logit", nodes, values)
+
+    def _record(self, name: str, nodes: Sequence[int], values: Sequence[float]) -> None:
+        """Set the per-expanded-node array ``name`` (and ``root_<name>``), grown to the tree's size."""
         nodes, values = np.asarray(nodes, dtype=np.int64), np.asarray(values, dtype=np.float32)
         if nodes.shape != values.shape:
-            raise ValueError("set_entropy: nodes and values must have the same length")
+            raise ValueError(f"set_{name}: nodes and values must have the same length")
         at_root = nodes == ROOT
         if at_root.any():
-            self.root_entropy = float(values[at_root][-1])
+            setattr(self, f"root_{name}", float(values[at_root][-1]))
         nodes, values = nodes[~at_root], values[~at_root]
         if not len(nodes):
             return
         if int(nodes.min()) < 0 or int(nodes.max()) >= len(self.tokens):
-            raise ValueError(f"set_entropy: node ids must be ROOT or 0..{len(self.tokens) - 1}")
-        if self.entropy is None or len(self.entropy) < len(self.tokens):
+            raise ValueError(f"set_{name}: node ids must be ROOT or 0..{len(self.tokens) - 1}")
+        known = getattr(self, name)
+        if known is None or len(known) < len(self.tokens):
             grown = np.full(len(self.tokens), np.nan, dtype=np.float32)
-            if self.entropy is not None:
-                grown[: len(self.entropy)] = self.entropy
-            self.entropy = grown
-        self.entropy[nodes] = values
+            if known is not None:
+                grown[: len(known)] = known
+            setattr(self, name, grown)
+        getattr(self, name)[nodes] = values
 
     def node_entropy(self) -> np.ndarray:
         """float32 [len(tree)]: the head's entropy at each node (NaN where it did not expand it or
         did not tell; ``entropy`` may be shorter than the tree: levels added after the last record)."""
+        return self._per_node(self.entropy)
+
+    def node_accept_logit(self) -> np.ndarray:
+        """float32 [len(tree)]: the drafter's acceptance logit at each node (NaN: not known)."""
+        return self._per_node(self.accept_logit)
+
+    def _per_node(self, known: np.ndarray | None) -> np.ndarray:
         out = np.full(len(self.tokens), np.nan, dtype=np.float32)
-        if self.entropy is not None:
-            known = min(len(self.entropy), len(self.tokens))
-            out[:known] = self.entropy[:known]
+        if known is not None:
+            n = min(len(known), len(self.tokens))
+            out[:n] = known[:n]
         return out
 
     def parent_entropy(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """float64 [stop - start]: the head's entropy at the parent of each of nodes ``start:stop``
         (NaN where it is not known)."""
+        return self._at_parent(self.node_entropy(), self.root_entropy, start, stop)
+
+    def parent_accept_logit(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """float64 [stop - start]: the drafter's acceptance logit at the parent of each of nodes
+        ``start:stop`` (NaN where it is not known)."""
+        return self._at_parent(self.node_accept_logit(), self.root_accept_logit, start, stop)
+
+    def _at_parent(self, per_node: np.ndarray, at_root: float, start: int, stop: int | None) -> np.ndarray:
         stop = len(self.tokens) if stop is None else stop
         parents = np.asarray(self.parents[start:stop], dtype=np.int64)
-        known = np.append(self.node_entropy().astype(np.float64), self.root_entropy)  # the last: the root
+        known = np.append(per_node.astype(np.float64), at_root)  # the last: the root
         return known[np.where(parents == ROOT, len(self.tokens), parents)]
 
     def continuations(self, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:

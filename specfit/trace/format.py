@@ -28,11 +28,14 @@ top-k K):
     node_entropy [M] float32                  the draft head's entropy at each node it expanded (NaN:
     root_entropy [N] float32                  not expanded, or not told), and at each root
     root_prob [N] float64                     the target's probability of each root token where it
-                                              produced it (NaN: not told); both go back into the
+                                              produced it (NaN: not told); all go back into the
                                               replayed trees for acceptance estimators
+    node_accept_logit [M] float32             the drafter's acceptance logit at each node it expanded
+    root_accept_logit [N] float32             and at each root (its acceptance probe; NaN: none)
 
-Format version 1 had no ``node_entropy``, ``root_entropy`` and ``root_prob``: such traces still load
-(the three read as NaN, and :attr:`Trace.notes` says so), and replay exactly what they recorded.
+Format version 1 had no ``node_entropy``, ``root_entropy`` and ``root_prob``, version 2 no
+``*_accept_logit``: such traces still load (the arrays read as NaN, and :attr:`Trace.notes` says
+so), and replay exactly what they recorded.
 
 The verified nodes are the recording's candidate union (see :mod:`specfit.trace.record`); the other
 drafted nodes are kept so that selectors and predictors see the very tree they saw live.
@@ -63,16 +66,18 @@ from specfit.files import check_writable, missing_directory, remove_stale_tempor
 from specfit.interfaces.protocols import ACCEPTED_KEY  # noqa: F401 - defined with SelectionContext; replay imports it here
 
 FORMAT = "specfit-trace"
-VERSION = 2
-READABLE_VERSIONS = (1, 2)  # version 1: no entropies and root probabilities (read as NaN)
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # older versions lack the arrays of ADDED_IN (read as NaN)
 META_FILE = "meta.json"
 PARTIAL_FILE = "partial.json"  # present while a recording runs (or was interrupted); meta.json replaces it
 
 
 _ARRAYS = ("prompt", "output", "prefill_routing", "node_offsets", "node_token", "node_parent", "node_depth",
            "node_log_prob", "verified_offsets", "verified_node", "verified_argmax", "verified_routing", "root_argmax",
-           "root_routing", "level_offsets", "level_seconds", "node_entropy", "root_entropy", "root_prob")
-_ADDED_IN_2 = ("node_entropy", "root_entropy", "root_prob")  # absent from version 1 traces
+           "root_routing", "level_offsets", "level_seconds", "node_entropy", "root_entropy", "root_prob",
+           "node_accept_logit", "root_accept_logit")
+# version -> the arrays it added (absent from older traces; read as NaN)
+ADDED_IN = {2: ("node_entropy", "root_entropy", "root_prob"), 3: ("node_accept_logit", "root_accept_logit")}
 
 
 class TraceError(ConfigError):
@@ -107,6 +112,8 @@ class TracePosition:
     entropy: np.ndarray  # [n] float32, the head's entropy at each expanded node (NaN: unknown)
     root_entropy: float  # NaN: unknown
     root_prob: float  # the target's probability of the root token; NaN: unknown
+    accept_logit: np.ndarray  # [n] float32, the drafter's acceptance logit at each expanded node (NaN: unknown)
+    root_accept_logit: float  # NaN: unknown
 
     @property
     def levels(self) -> int:
@@ -130,16 +137,18 @@ class TracePosition:
 
     def draft(self, tree: Any) -> Iterator[range]:
         """Grow ``tree`` (a :class:`specfit.core.tree.DraftTree` of this root) level by level as the
-        drafter did: the root's entropy before level 1, each level's entropies with the next level,
-        and the root probability (None where the recording did not have them)."""
+        drafter did: the root's entropy and acceptance logit before level 1, each level's with the
+        next level, and the root probability (None where the recording did not have them)."""
         tree.root_prob = self.known_root_prob
         tree.root_entropy = self.root_entropy
+        tree.root_accept_logit = self.root_accept_logit
         for d in range(1, self.levels + 1):
             if d > 1:
                 above = self.level(d - 1)
-                values = self.entropy[above.start:above.stop]
-                if not np.all(np.isnan(values)):
-                    tree.set_entropy(list(above), values)
+                for values, record in ((self.entropy, tree.set_entropy), (self.accept_logit, tree.set_accept_logit)):
+                    values = values[above.start:above.stop]
+                    if not np.all(np.isnan(values)):
+                        record(list(above), values)
             part = self.level(d)
             yield tree.add_level(self.parents[part].tolist(), self.tokens[part].tolist(), self.log_probs[part].tolist())
 
@@ -187,6 +196,8 @@ class TraceSequence:
     node_entropy: np.ndarray
     root_entropy: np.ndarray
     root_prob: np.ndarray
+    node_accept_logit: np.ndarray
+    root_accept_logit: np.ndarray
 
     def __len__(self) -> int:
         """Positions with a recorded tree (every output token but the last is a root)."""
@@ -211,6 +222,8 @@ class TraceSequence:
             entropy=self.node_entropy[a:b],
             root_entropy=float(self.root_entropy[i]),
             root_prob=float(self.root_prob[i]),
+            accept_logit=self.node_accept_logit[a:b],
+            root_accept_logit=float(self.root_accept_logit[i]),
         )
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -234,7 +247,8 @@ class TraceSequence:
                 raise bad(f"{offsets} do not cover their {items} entries")
         m, v = len(self.node_token), len(self.verified_node)
         for name, length in (("node_parent", m), ("node_depth", m), ("node_log_prob", m), ("verified_argmax", v),
-                             ("node_entropy", m), ("root_entropy", n), ("root_prob", n)):
+                             ("node_entropy", m), ("root_entropy", n), ("root_prob", n), ("node_accept_logit", m),
+                             ("root_accept_logit", n)):
             if getattr(self, name).shape != (length,):
                 raise bad(f"{name} has {len(getattr(self, name))} entries, expected {length}")
         for name, rows in (("verified_routing", v), ("root_routing", n), ("prefill_routing", len(self.prompt))):
@@ -502,14 +516,15 @@ def load_trace(path: str | Path, key: str = "trace.path") -> Trace:
         file = path / name
         if not file.is_file():
             raise TraceError(f"{path}: {name} is missing (the trace is incomplete)")
-        sequences.append(_read_sequence(file, layers, top_k, added=int(meta.version) >= 2, num_experts=experts))
+        sequences.append(_read_sequence(file, layers, top_k, version=int(meta.version), num_experts=experts))
     return Trace(meta, sequences)
 
 
-def _read_sequence(file: Path, layers: int, top_k: int, added: bool = True,
+def _read_sequence(file: Path, layers: int, top_k: int, version: int = VERSION,
                    num_experts: int | None = None) -> TraceSequence:
-    """One sequence file; ``added=False`` (format version 1): the arrays version 2 added read as NaN."""
-    expected = _ARRAYS if added else tuple(k for k in _ARRAYS if k not in _ADDED_IN_2)
+    """One sequence file of format ``version``; the arrays later versions added read as NaN."""
+    absent = {k for v, names in ADDED_IN.items() if v > version for k in names}
+    expected = tuple(k for k in _ARRAYS if k not in absent)
     try:
         with np.load(file, allow_pickle=False) as npz:
             missing = [k for k in expected if k not in npz.files]
@@ -522,11 +537,10 @@ def _read_sequence(file: Path, layers: int, top_k: int, added: bool = True,
         if "pickle" in str(exc):  # numpy's words for "not an .npz archive" mention a loader flag
             raise TraceError(f"{file}: corrupt (not an .npz archive of arrays)") from exc
         raise TraceError(f"{file}: corrupt ({type(exc).__name__}: {exc})") from exc
-    if not added:
-        positions, nodes = len(arrays["root_argmax"]), len(arrays["node_token"])
-        arrays["node_entropy"] = np.full(nodes, np.nan, dtype=np.float32)
-        arrays["root_entropy"] = np.full(positions, np.nan, dtype=np.float32)
-        arrays["root_prob"] = np.full(positions, np.nan, dtype=np.float64)
+    positions, nodes = len(arrays["root_argmax"]), len(arrays["node_token"])
+    for name in absent:
+        arrays[name] = np.full(nodes if name.startswith("node_") else positions, np.nan,
+                               dtype=np.float64 if name == "root_prob" else np.float32)
     seq = TraceSequence(**arrays)
     seq.check(str(file), layers, top_k, num_experts)
     return seq

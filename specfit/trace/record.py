@@ -56,13 +56,15 @@ class _SequenceBuilder:
         self.prompt = np.asarray(prompt_ids, dtype=np.int32)
         self.prefill_routing = np.asarray(routing).astype(dtype)
         self.roots: list[int] = []
-        self.trees: list[tuple[np.ndarray, ...]] = []  # per cycle: tokens, parents, depths, log-probs, entropies
+        self.trees: list[tuple[np.ndarray, ...]] = []  # per cycle: tokens, parents, depths, log-probs, entropies,
+        # acceptance logits
         self.verified: list[tuple[np.ndarray, ...]] = []  # per cycle: nodes, argmax, routing
         self.root_argmax: list[int] = []
         self.root_routing: list[np.ndarray] = []
         self.level_seconds: list[list[float]] = []
         self.root_entropy: list[float] = []
         self.root_prob: list[float] = []
+        self.root_accept_logit: list[float] = []
 
     def add(self, trace: Any) -> None:
         tree, block = trace.tree, trace.block
@@ -76,6 +78,7 @@ class _SequenceBuilder:
             np.asarray(tree.depths, dtype=np.int16),
             np.asarray(tree.log_probs, dtype=np.float64),
             tree.node_entropy(),
+            tree.node_accept_logit(),
         ))
         self.verified.append((
             np.asarray(block.nodes, dtype=np.int32),  # ascending tree indices
@@ -87,6 +90,7 @@ class _SequenceBuilder:
         self.level_seconds.append([float(s) for s in trace.level_seconds])
         self.root_entropy.append(tree.root_entropy)
         self.root_prob.append(np.nan if tree.root_prob is None else float(tree.root_prob))
+        self.root_accept_logit.append(tree.root_accept_logit)
 
     def finish(self, output_ids: Sequence[int], layers: int, top_k: int) -> TraceSequence:
         output = np.asarray(output_ids, dtype=np.int32)
@@ -122,6 +126,8 @@ class _SequenceBuilder:
             node_entropy=cat(self.trees, 4, np.float32),
             root_entropy=np.asarray(self.root_entropy, dtype=np.float32),
             root_prob=np.asarray(self.root_prob, dtype=np.float64),
+            node_accept_logit=cat(self.trees, 5, np.float32),
+            root_accept_logit=np.asarray(self.root_accept_logit, dtype=np.float32),
         )
 
 

@@ -316,3 +316,57 @@ def test_a_bad_token_file_is_named_before_training(tmp_path, content, message):
     held_out = TrainDrafterConfig(include_builtin_data=False, eval_files=[str(path)], eval_windows=2, seq_len=2)
     with pytest.raises(ConfigError, match=f"eval_files: {re.escape(str(path))}.*{message}"):  # held out alike
         load_eval_windows(held_out, None, 64)
+
+
+# ------------------------------------------------------------------------------ the acceptance probe
+
+
+def test_fit_probe_writes_a_probe_the_drafter_uses_losslessly(patterned, trained_head, tmp_path, capsys):
+    import shutil
+
+    from specfit.plugins.drafters.eagle3.probe import PROBE_FILE, load_probe
+    from specfit.training.probe import FitProbeConfig, fit_probe
+
+    head_dir = tmp_path / "head"
+    shutil.copytree(trained_head, head_dir)
+    rows = _chains(patterned["next"], 40, 33, seed=11)
+    rows[::3, 16:] = np.random.default_rng(3).integers(0, VOCAB, (len(rows[::3]), 17))  # off the cycle: misses
+    np.save(tmp_path / "rows.npy", rows)
+    fit_probe(FitProbeConfig(target_dir=str(patterned["target"]), head_dir=str(head_dir), seq_len=32, steps=3,
+                             train_files=[str(tmp_path / "rows.npy")], max_windows=40, batch_size=8))
+    result = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert 0 < result["held_out_top1_rate"] < 1 and set(result["held_out_by_step"]) == {"0", "1", "2"}
+    assert result["held_out"]["auc"] > 0.5 and result["train_samples"] > 0
+    probe = load_probe(head_dir, load_head(head_dir).cfg.hidden_size)
+    assert probe.metrics["held_out"] == result["held_out"] and (head_dir / PROBE_FILE).is_file()
+
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(str(patterned["target"])).eval()
+    prompt = _chains(patterned["next"], 1, 10, seed=7)[0].tolist()
+    with torch.no_grad():
+        ref = target.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0]
+    drafter = Eagle3Drafter(path=str(head_dir), top_k=4, depth=4, total_tokens=12)
+    assert drafter.probe is not None
+    from specfit.core.calibration import CostConstants
+    from specfit.plugins.cost_models.union import UnionCostModel
+    from specfit.plugins.predictors.history import HistoryPredictor
+    from specfit.plugins.selectors.specfit import SpecFitSelector
+
+    out = Engine(target, drafter=drafter, selector=SpecFitSelector(acceptance="learned", draft_gate=False),
+                 cost_model=UnionCostModel(constants=CostConstants(c0=2e-3, c_tok=1e-4, c_miss=4e-4, c_hit=2e-5)),
+                 predictor=HistoryPredictor(), device="cpu").generate(prompt, max_new_tokens=16)
+    assert out.token_ids == ref[len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"train_files": []}, "train_files is empty"),
+    ({"train_files": ["a.npy"]}, "train_files: a.npy: no such file"),
+    ({"train_files": [__file__]}, "fit-probe reads .npy token rows"),
+])
+def test_fit_probe_names_a_bad_setting(settings, message):
+    from specfit.errors import ConfigError
+    from specfit.training.probe import FitProbeConfig
+
+    with pytest.raises(ConfigError, match=message):
+        FitProbeConfig(**settings)

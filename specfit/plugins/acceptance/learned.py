@@ -36,7 +36,12 @@ Features of node v, all known when the selector runs (before verification):
   draft probabilities do. All 0 where the tree carries no context;
 - ``token_rate``: how often v's token was accepted when drafted before (:class:`TokenRates`,
   learned with the weights and persisted with them): on the demo pair's held-out traces it cut
-  the log loss by a quarter on prose and an eighth on GSM (docs/results.md).
+  the log loss by a quarter on prose and an eighth on GSM (docs/results.md);
+- ``probe_top`` / ``probe_other``: the drafter's acceptance logit at the parent (the EAGLE-3
+  head's acceptance probe, :mod:`specfit.plugins.drafters.eagle3.probe`: how likely the head's
+  top-1 there is the target's token, read from its hidden state) for the parent's most likely
+  child / for its other children, whose chances fall as the top one's rise. 0 where the drafter
+  has no probe.
 
 The model starts at w0 = (log_share: 1, the rest 0): a_v then equals q(v) and the path product is
 P_v, so an untrained ``learned`` estimator is ``path_prob``. Learning is a Laplace-approximate
@@ -63,7 +68,7 @@ from specfit.validation import integer, is_count, number
 
 FEATURES = ("bias", "log_share", "top_sibling", "log_rank", "log_depth", "parent_path", "parent_confidence",
             "parent_entropy", "root_prob", "recent", "context_match", "context_other", "context_match_len",
-            "context_other_len", "token_rate")
+            "context_other_len", "token_rate", "probe_top", "probe_other")
 CLIP = 1e-6
 
 
@@ -117,6 +122,9 @@ def features(tree: DraftTree, recent: float, root_logit: float, start: int = 0, 
         x[:, 13] = x[:, 11] * log_length
     if token_rate is not None:
         x[:, 14] = token_rate.lookup(tree.tokens[start:stop])
+    probe = np.nan_to_num(tree.parent_accept_logit(start, stop), nan=0.0)
+    x[:, 15] = np.where(rank == 0, probe, 0.0)
+    x[:, 16] = np.where(rank == 0, 0.0, probe)
     return x
 
 

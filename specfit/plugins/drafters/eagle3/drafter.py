@@ -6,7 +6,9 @@ each; every child is a candidate, and the best ``top_k`` form the next beam. Whi
 verified is the selector's decision (EAGLE keeps the ``total_tokens`` with the highest path
 probability). The head's KV cache holds the committed pairs; tree pairs are dropped after drafting.
 The head's entropy at the root and at every expanded node goes into the tree
-(:meth:`DraftTree.set_entropy`): acceptance estimators use it, and the tree keeps only top-k.
+(:meth:`DraftTree.set_entropy`): acceptance estimators use it, and the tree keeps only top-k. So
+does its acceptance probe's logit, where the head directory has one (:mod:`.probe`,
+:meth:`DraftTree.set_accept_logit`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from specfit.errors import ConfigError, ModelError
 from specfit.interfaces import ROOT, DrafterBase, DrafterConfig, DraftTree
 from specfit.plugins.drafters.eagle3.checkpoint import check_head_fits, head_config_for, load_head, random_head
 from specfit.plugins.drafters.eagle3.head import Eagle3Head
+from specfit.plugins.drafters.eagle3.probe import AcceptanceProbe, load_probe
 from specfit.validation import integer, optional_integer
 
 
@@ -57,6 +60,9 @@ class Eagle3DrafterConfig(DrafterConfig):
     # trained on (config.json attention_window; specfit's trainer writes its seq_len) or, without
     # one, all; 0, all; N, the latest N. A head used past its training window drafts worse
     attention_window: int | None = None
+    # use the head's acceptance probe (acceptance_probe.safetensors beside its weights, written by
+    # specfit fit-probe) where it has one: its logit at each expanded node goes into the tree
+    acceptance_probe: bool = True
     # SGLang's names, accepted as aliases: --speculative-eagle-topk / -num-steps / -num-draft-tokens
     # (SGLang's num_draft_tokens counts the root: total_tokens = num_draft_tokens - 1)
     eagle_topk: int | None = None
@@ -120,18 +126,28 @@ class Eagle3Drafter(DrafterBase):
     Config = Eagle3DrafterConfig
 
     def __init__(self, path: str | None = None, top_k: int = 10, depth: int = 7, total_tokens: int = 60,
-                 seed: int = 0, head: Eagle3Head | None = None, attention_window: int | None = None) -> None:
+                 seed: int = 0, head: Eagle3Head | None = None, attention_window: int | None = None,
+                 acceptance_probe: bool | AcceptanceProbe = True) -> None:
+        """``acceptance_probe``: True, the one in the head's directory if it has one; False, none;
+        or a probe."""
         check_tree_shape(top_k, depth, total_tokens)
         optional_integer("drafter.attention_window", attention_window, minimum=0)
         self.path, self.top_k, self.depth, self.total_tokens, self.seed = path, top_k, depth, total_tokens, seed
         self.attention_window = attention_window
-        self.head = head if head is not None else (load_head(path) if path and path != "random" else None)
+        from_dir = path if path and path != "random" else None
+        self.head = head if head is not None else (load_head(path) if from_dir else None)
+        if isinstance(acceptance_probe, AcceptanceProbe):
+            self.probe: AcceptanceProbe | None = acceptance_probe
+        elif acceptance_probe is True and from_dir and self.head is not None:
+            self.probe = load_probe(from_dir, self.head.cfg.hidden_size)
+        else:
+            self.probe = None
 
     @classmethod
     def from_config(cls, cfg: Eagle3DrafterConfig) -> Eagle3Drafter:
         return cls(path=cfg.path, top_k=_alias(cfg, "top_k", "eagle_topk"), depth=_alias(cfg, "depth", "num_steps"),
                    total_tokens=_alias(cfg, "total_tokens", "num_draft_tokens", offset=-1), seed=cfg.seed,
-                   attention_window=cfg.attention_window)
+                   attention_window=cfg.attention_window, acceptance_probe=cfg.acceptance_probe)
 
     # ------------------------------------------------------------------ binding
 
@@ -150,6 +166,11 @@ class Eagle3Drafter(DrafterBase):
             raise ModelError(f"EAGLE-3 head expects target hidden size {cfg.target_hidden_size}, the target has {tc.hidden_size}")
         self.device, self.dtype = target.device, model.dtype
         self.head.to(device=self.device, dtype=self.dtype)
+        if self.probe is not None:
+            if self.probe.hidden_size != cfg.hidden_size:
+                raise ModelError(f"the acceptance probe takes states of {self.probe.hidden_size} values, the EAGLE-3 "
+                                 f"head's hidden_size is {cfg.hidden_size}")
+            self.probe.to(device=self.device)  # float32: a logit, not a weight matmul worth halving
         if self.head.embed_tokens is None:
             self.head.set_target_embedding(model.get_input_embeddings())
         if self.head.lm_head is None:  # a head saved without lm_head: the target's rows of its draft vocabulary
@@ -208,6 +229,8 @@ class Eagle3Drafter(DrafterBase):
             logp = F.log_softmax(head.logits(root_hidden[None]).float(), dim=-1)[0]
             top = torch.topk(logp, min(k, logp.numel()))
             tree.set_entropy([ROOT], [float(_entropy(logp))])
+            if self.probe is not None:
+                tree.set_accept_logit([ROOT], self.probe(root_hidden[None], logp[None]).tolist())
             level = tree.add_level([ROOT] * len(top.indices), head.to_target_ids(top.indices).tolist(), top.values.tolist())
             beam = list(level)
             parent_hidden = {v: root_hidden for v in beam}
@@ -236,6 +259,8 @@ class Eagle3Drafter(DrafterBase):
                 top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)  # [beam, k]
                 kids = top.indices.shape[1]
                 tree.set_entropy(beam, _entropy(logp).tolist())
+                if self.probe is not None:
+                    tree.set_accept_logit(beam, self.probe(out, logp).tolist())
                 level = tree.add_level(
                     [v for v in beam for _ in range(kids)],
                     head.to_target_ids(top.indices).flatten().tolist(),

@@ -1,0 +1,119 @@
+"""The head's own estimate that its top-1 guess at a node is the target's next token.
+
+Draft probabilities are a poor guide to acceptance (docs/results.md): the head is sure and wrong
+in some places, unsure and right in others. Its hidden state knows more. A logistic model on the
+state and on three summaries of the distribution it produces (log top-1 probability, entropy,
+margin to the second) separates the nodes the target accepts better than the summaries alone
+(SpecDec++ trains such an acceptance head for the same reason). ``specfit fit-probe`` fits it on
+the target's own text after the head is trained, and writes ``acceptance_probe.safetensors``
+beside the head's weights.
+
+The drafter records the probe's logit at the root and at every node it expands
+(:meth:`DraftTree.set_accept_logit`); the ``learned`` acceptance estimator weighs it like its
+other features. A head directory without the file drafts exactly as before.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specfit.errors import ModelError
+
+PROBE_FILE = "acceptance_probe.safetensors"
+SUMMARIES = ("log_top1", "entropy", "margin")  # appended to the hidden state, in this order
+
+
+def probe_inputs(hidden: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """float32 [n, hidden + 3]: the head's output states and the summaries of their log-probabilities."""
+    top = torch.topk(logp, min(2, logp.shape[-1]), dim=-1).values
+    second = top[:, 1] if top.shape[1] > 1 else torch.full_like(top[:, 0], -30.0)
+    entropy = torch.special.entr(logp.exp()).sum(-1)
+    return torch.cat([hidden.float(), torch.stack([top[:, 0], entropy, top[:, 0] - second], 1).float()], 1)
+
+
+class AcceptanceProbe(nn.Module):
+    """logit P(top-1 accepted | node accepted) = w . (x - mean) / scale + b, x = :func:`probe_inputs`."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        width = hidden_size + len(SUMMARIES)
+        self.hidden_size = hidden_size
+        self.register_buffer("mean", torch.zeros(width))
+        self.register_buffer("scale", torch.ones(width))
+        self.register_buffer("weight", torch.zeros(width))
+        self.register_buffer("bias", torch.zeros(1))
+        self.metrics: dict[str, object] = {}  # how it was fit and how well (saved with it)
+
+    def forward(self, hidden: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+        """float32 [n]: the logit for each of ``hidden`` [n, H] with its ``logp`` [n, V]."""
+        return self.score(probe_inputs(hidden, logp))
+
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 [n]: the logits of inputs already built by :func:`probe_inputs`."""
+        x = x.to(device=self.weight.device, dtype=self.weight.dtype)
+        return ((x - self.mean) / self.scale) @ self.weight + self.bias
+
+
+def save_probe(probe: AcceptanceProbe, head_dir: str | Path) -> Path:
+    from safetensors.torch import save_file
+
+    path = Path(head_dir) / PROBE_FILE
+    state = {k: v.detach().float().contiguous().cpu() for k, v in probe.state_dict().items()}
+    save_file(state, str(path), metadata={"metrics": json.dumps(probe.metrics)})
+    return path
+
+
+def load_probe(head_dir: str | Path, hidden_size: int) -> AcceptanceProbe | None:
+    """The probe saved beside a head, or None; a file that does not fit the head is named."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(head_dir).expanduser() / PROBE_FILE
+    if not path.is_file():
+        return None
+    probe = AcceptanceProbe(hidden_size)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            state = {k: f.get_tensor(k) for k in f.keys()}
+            metrics = json.loads((f.metadata() or {}).get("metrics", "{}"))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ModelError(f"{path}: not a readable acceptance probe ({exc}); refit it with specfit fit-probe "
+                         f"or remove it") from None
+    expected = {k: tuple(v.shape) for k, v in probe.state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in state.items()}
+    if found != expected:
+        raise ModelError(f"{path}: tensors {found} do not fit this head (expected {expected}: hidden_size "
+                         f"{hidden_size} + {len(SUMMARIES)}); refit it with specfit fit-probe or remove it")
+    if not all(bool(torch.isfinite(v).all()) for v in state.values()) or not bool((state["scale"] > 0).all()):
+        raise ModelError(f"{path}: holds non-finite values or a scale <= 0; refit it with specfit fit-probe")
+    probe.load_state_dict(state)
+    probe.metrics = metrics if isinstance(metrics, dict) else {}
+    return probe
+
+
+def fit_logistic(x: torch.Tensor, y: torch.Tensor, l2: float, iterations: int = 200) -> AcceptanceProbe:
+    """The probe fit by L-BFGS on inputs ``x`` [n, H + 3] (:func:`probe_inputs`) and labels ``y`` [n]
+    (1: the top-1 was the target's token), with an L2 penalty ``l2`` on the standardised weights."""
+    probe = AcceptanceProbe(x.shape[1] - len(SUMMARIES))
+    x, y = x.double(), y.double()
+    mean, scale = x.mean(0), x.std(0).clamp_min(1e-6)
+    z = (x - mean) / scale
+    w = torch.zeros(x.shape[1] + 1, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w], max_iter=iterations, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(z @ w[:-1] + w[-1], y) + l2 * (w[:-1] ** 2).sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        opt.step(closure)
+    with torch.no_grad():
+        probe.mean.copy_(mean), probe.scale.copy_(scale)
+        probe.weight.copy_(w[:-1]), probe.bias.copy_(w[-1:])
+    return probe

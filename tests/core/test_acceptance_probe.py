@@ -1,0 +1,157 @@
+"""The EAGLE-3 head's acceptance probe: its inputs and fit, the file beside the head (and the errors
+that name it), the drafter recording its logit at every expanded node, a trace carrying the
+logits into a replay, and the learned estimator's two features that read it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model
+
+from specfit import Engine
+from specfit.core.tree import ROOT, DraftTree
+from specfit.errors import ModelError
+from specfit.interfaces import Selection, SelectorBase
+from specfit.plugins.acceptance.learned import FEATURES, features
+from specfit.plugins.caches.lru import LRUCache
+from specfit.plugins.drafters.eagle3.checkpoint import save_head
+from specfit.plugins.drafters.eagle3.drafter import Eagle3Drafter
+from specfit.plugins.drafters.eagle3.probe import (PROBE_FILE, SUMMARIES, AcceptanceProbe, fit_logistic, load_probe,
+                                                   probe_inputs, save_probe)
+from specfit.trace import load_trace
+from specfit.trace.record import record
+
+PROMPT = [5, 17, 99, 3, 42, 8, 120, 77]
+
+
+def test_inputs_are_the_state_then_log_top1_entropy_and_margin():
+    hidden = torch.randn(2, 5)
+    logp = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.0, 0.0]]), -1)
+    x = probe_inputs(hidden, logp)
+    assert x.shape == (2, 5 + len(SUMMARIES)) and torch.equal(x[:, :5], hidden)
+    p = logp.exp()
+    assert x[:, 5].tolist() == pytest.approx(logp.max(-1).values.tolist())
+    assert x[:, 6].tolist() == pytest.approx((-(p * logp).sum(-1)).tolist(), rel=1e-6)
+    assert x[:, 7].tolist() == pytest.approx([1.0, 0.0], abs=1e-6)
+    assert probe_inputs(hidden[:1], torch.zeros(1, 1))[0, 7] == 30.0  # one token: a wide margin
+
+
+def test_the_fit_finds_the_direction_that_decides_acceptance():
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(4000, 6, generator=gen) * torch.tensor([1.0, 3.0, 1.0, 1.0, 1.0, 1.0])
+    logp = torch.log_softmax(torch.randn(4000, 10, generator=gen), -1)
+    y = (torch.rand(4000, generator=gen) < torch.sigmoid(2 * hidden[:, 1])).float()
+    probe = fit_logistic(probe_inputs(hidden, logp), y, l2=1e-4)
+    w = probe.weight / probe.scale  # per raw unit
+    assert w[1] == pytest.approx(2.0, rel=0.15) and w.abs()[[0, 2, 3, 4, 5]].max() < 0.3  # (the summaries: collinear here)
+    z = probe(hidden, logp)
+    assert z.shape == (4000,) and float(torch.corrcoef(torch.stack([z, 2 * hidden[:, 1]]))[0, 1]) > 0.98
+
+
+def test_a_saved_probe_loads_back_and_a_bad_one_is_named(tmp_path):
+    probe = fit_logistic(torch.randn(50, 4 + 3), (torch.arange(50) % 2).float(), l2=1e-2)
+    probe.metrics = {"auc": 0.7}
+    save_probe(probe, tmp_path)
+    back = load_probe(tmp_path, 4)
+    assert back.metrics == {"auc": 0.7}
+    for name in ("mean", "scale", "weight", "bias"):
+        assert torch.equal(getattr(back, name), getattr(probe, name))
+    assert load_probe(tmp_path / "none", 4) is None  # no file: no probe
+    with pytest.raises(ModelError, match=f"{PROBE_FILE}.*do not fit this head.*hidden_size 8"):
+        load_probe(tmp_path, 8)
+    probe.weight[0] = math.nan
+    save_probe(probe, tmp_path)
+    with pytest.raises(ModelError, match="non-finite"):
+        load_probe(tmp_path, 4)
+    (tmp_path / PROBE_FILE).write_bytes(b"not safetensors")
+    with pytest.raises(ModelError, match=f"{PROBE_FILE}: not a readable acceptance probe"):
+        load_probe(tmp_path, 4)
+
+
+class KeepTrees(SelectorBase):
+    name = "keep"
+
+    def __init__(self) -> None:
+        self.trees: list[DraftTree] = []
+
+    def select(self, tree, ctx):
+        self.trees.append(tree)
+        return Selection(nodes=[], stop=tree.depth >= 3)
+
+
+def _head_dir(tmp_path) -> tuple:
+    """A seeded random head saved with a probe whose weight reads the state's first value."""
+    drafter = Eagle3Drafter(top_k=3, depth=3, total_tokens=8, seed=0)
+    Engine(tiny_model(), drafter=drafter, device="cpu")
+    save_head(drafter.head, tmp_path / "head")
+    probe = AcceptanceProbe(drafter.head.cfg.hidden_size)
+    probe.weight[0], probe.bias[0] = 50.0, -0.5
+    save_probe(probe, tmp_path / "head")
+    return tmp_path / "head", probe
+
+
+def test_the_drafter_records_the_probes_logit_where_it_records_the_entropy(tmp_path):
+    head_dir, probe = _head_dir(tmp_path)
+    keep = KeepTrees()
+    engine = Engine(tiny_model(), drafter=Eagle3Drafter(path=str(head_dir), top_k=3, depth=3, total_tokens=8),
+                    selector=keep, device="cpu")
+    rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+    head = engine.drafter.head
+    logits = head.logits
+
+    def spy(hidden):
+        out = logits(hidden)
+        rows.append((hidden, torch.log_softmax(out.float(), -1)))
+        return out
+
+    head.logits = spy
+    engine.generate(PROMPT, max_new_tokens=2, predict=False)
+    tree = keep.trees[0]  # the first cycle's (one row for the root, then one per expanded level)
+    assert np.array_equal(np.isnan(tree.node_accept_logit()), np.isnan(tree.node_entropy()))
+    assert tree.root_accept_logit == pytest.approx(float(probe(*rows[0])[0]), rel=1e-5, abs=1e-5)
+    expanded = np.flatnonzero(~np.isnan(tree.node_accept_logit()))
+    want = torch.cat([probe(h, lp) for h, lp in rows[1:3]]).tolist()
+    assert sorted(tree.node_accept_logit()[expanded].tolist()) == pytest.approx(sorted(want), rel=1e-5, abs=1e-5)
+    assert len(set(np.round(want, 3))) > 1  # the weight reads the state: not one constant
+
+    keep_off = KeepTrees()  # acceptance_probe=False: the file is there, the drafter ignores it
+    Engine(tiny_model(), drafter=Eagle3Drafter(path=str(head_dir), top_k=3, depth=3, total_tokens=8,
+                                               acceptance_probe=False), selector=keep_off,
+           device="cpu").generate(PROMPT, max_new_tokens=2, predict=False)
+    assert np.isnan(keep_off.trees[-1].node_accept_logit()).all() and math.isnan(keep_off.trees[-1].root_accept_logit)
+    assert keep_off.trees[0].tokens == tree.tokens  # same drafts
+
+
+def test_a_trace_carries_the_logits_into_the_replayed_tree(tmp_path):
+    head_dir, _ = _head_dir(tmp_path)
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=4),
+                    drafter=Eagle3Drafter(path=str(head_dir), top_k=3, depth=3, total_tokens=8), device="cpu")
+    trace = load_trace(record(engine, [PROMPT], max_new_tokens=6).save(tmp_path / "trace"))
+    seq = trace.sequences[0]
+    assert np.isfinite(seq.root_accept_logit).all() and np.isfinite(seq.node_accept_logit).any()
+    assert np.array_equal(np.isnan(seq.node_accept_logit), np.isnan(seq.node_entropy))
+    position = seq.position(0)
+    tree = DraftTree(root_token=position.root)
+    for _ in position.draft(tree):
+        pass
+    assert tree.root_accept_logit == pytest.approx(position.root_accept_logit)
+    expanded = ~np.isnan(position.accept_logit)
+    assert tree.node_accept_logit()[expanded].tolist() == pytest.approx(position.accept_logit[expanded].tolist())
+
+
+def test_the_learned_features_read_the_parents_logit_for_its_top_child_and_the_others():
+    tree = DraftTree(root_token=0)
+    tree.add_level([ROOT, ROOT], [1, 2], np.log([0.6, 0.3]).tolist())
+    tree.set_accept_logit([ROOT], [1.5])
+    tree.add_level([0, 0, 1], [3, 4, 5], np.log([0.2, 0.7, 0.9]).tolist())
+    tree.set_accept_logit([0], [-2.0])  # node 1 expanded by no probe: unknown, read as 0
+    x = features(tree, recent=0.5, root_logit=0.0)
+    top, other = x[:, FEATURES.index("probe_top")], x[:, FEATURES.index("probe_other")]
+    assert top.tolist() == [1.5, 0.0, 0.0, -2.0, 0.0]
+    assert other.tolist() == [0.0, 1.5, -2.0, 0.0, 0.0]
+    bare = DraftTree(root_token=0)
+    bare.add_level([ROOT, ROOT], [1, 2], np.log([0.6, 0.3]).tolist())
+    assert not features(bare, 0.5, 0.0)[:, [FEATURES.index("probe_top"), FEATURES.index("probe_other")]].any()
