@@ -40,3 +40,11 @@ $SPECFIT train-drafter target_dir=specfit/assets/demo/target out_dir=runs/demo-e
     train_files=[runs/distill/train.npy,runs/distill/train2.npy,runs/distill/train2.npy] include_builtin_data=true \
     max_steps=800 batch_size=8 seq_len=256 lr=3e-4 warmup_steps=20 seed=4 threads=$THREADS
 .venv/bin/python -m specfit.training.export runs/demo-target runs/demo-eagle3-mix2 specfit/assets/demo
+# (2026-12-06, fifth session) the shipped head's acceptance probe, fit on rows of the target's text
+# from prompts the head was not trained on, scored on held-out rows (docs/model-card.md)
+$SPECFIT distill-data target_dir=specfit/assets/demo/target out=runs/distill/probe.npy num_prompts=1024 batch_size=64 \
+    seed=2 threads=$THREADS
+$SPECFIT distill-data target_dir=specfit/assets/demo/target out=runs/distill/heldout.npy split=heldout num_prompts=128 \
+    seed=7 threads=$THREADS
+$SPECFIT fit-probe target_dir=specfit/assets/demo/target head_dir=specfit/assets/demo/eagle3 \
+    train_files=[runs/distill/probe.npy] eval_files=[runs/distill/heldout.npy] threads=$THREADS

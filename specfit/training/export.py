@@ -34,7 +34,9 @@ def export_demo(target_dir: str | Path, head_dir: str | Path, out_dir: str | Pat
     model.to(torch.bfloat16).save_pretrained(target_out, safe_serialization=True)
     AutoTokenizer.from_pretrained(target_dir).save_pretrained(target_out)
     save_head(load_head(head_dir), head_out, dtype=torch.bfloat16)
-    for extra in ("draft_vocab.json",):
+    from specfit.plugins.drafters.eagle3.probe import PROBE_FILE
+
+    for extra in ("draft_vocab.json", PROBE_FILE):  # the probe: fit on this head (specfit fit-probe)
         if (Path(head_dir) / extra).is_file():
             shutil.copy(Path(head_dir) / extra, head_out / extra)
     from specfit.data.prompts import gsm_prompts, prose_prompts

@@ -33,7 +33,7 @@ class FitProbeConfig:
     train_files: list[str] = field(default_factory=list)  # .npy token rows (specfit distill-data)
     eval_files: list[str] = field(default_factory=list)  # held-out rows; none: every tenth window
     seq_len: int = 256  # window length (a 1-D file is cut into windows; a row longer than this too)
-    max_windows: int = 1024  # training windows used at most (spread over the files)
+    max_windows: int = 512  # training windows used at most (drawn at random from the files)
     steps: int = 4  # drafting depths learnt from (the head's TTT steps 0..steps-1)
     max_samples: int = 200_000  # (position, step) samples kept, drawn evenly at random
     l2: float = 1e-3  # L2 penalty on the standardised weights
@@ -72,7 +72,7 @@ def probe_samples(head: Any, model: Any, windows: np.ndarray, layers: Any, steps
     """(inputs [n, H+3], labels [n], step [n]) over ``windows``, a ``keep`` share of the samples."""
     import torch
 
-    from specfit.plugins.drafters.eagle3.probe import probe_inputs
+    from specfit.plugins.drafters.eagle3.probe import probe_inputs, summarise
     from specfit.training.drafter import target_batch, ttt_unroll
 
     gen = torch.Generator().manual_seed(seed)
@@ -88,7 +88,7 @@ def probe_samples(head: Any, model: Any, windows: np.ndarray, layers: Any, steps
                 logp = torch.log_softmax(head.logits(h.to(head.norm.weight.dtype)).float(), -1)
                 guess = head.to_target_ids(logp.argmax(-1))
                 truth = batch.top[:, i:i + m][pick.to(hidden.device)]
-                xs.append(probe_inputs(h, logp).cpu())
+                xs.append(probe_inputs(h, *summarise(logp)).cpu())
                 ys.append((guess == truth).float().cpu())
                 ss.append(torch.full((len(h),), i))
             if progress is not None:

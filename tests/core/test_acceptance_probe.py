@@ -20,7 +20,7 @@ from specfit.plugins.caches.lru import LRUCache
 from specfit.plugins.drafters.eagle3.checkpoint import save_head
 from specfit.plugins.drafters.eagle3.drafter import Eagle3Drafter
 from specfit.plugins.drafters.eagle3.probe import (PROBE_FILE, SUMMARIES, AcceptanceProbe, fit_logistic, load_probe,
-                                                   probe_inputs, save_probe)
+                                                   probe_inputs, save_probe, summarise)
 from specfit.trace import load_trace
 from specfit.trace.record import record
 
@@ -30,13 +30,13 @@ PROMPT = [5, 17, 99, 3, 42, 8, 120, 77]
 def test_inputs_are_the_state_then_log_top1_entropy_and_margin():
     hidden = torch.randn(2, 5)
     logp = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.0, 0.0]]), -1)
-    x = probe_inputs(hidden, logp)
+    x = probe_inputs(hidden, *summarise(logp))
     assert x.shape == (2, 5 + len(SUMMARIES)) and torch.equal(x[:, :5], hidden)
     p = logp.exp()
     assert x[:, 5].tolist() == pytest.approx(logp.max(-1).values.tolist())
     assert x[:, 6].tolist() == pytest.approx((-(p * logp).sum(-1)).tolist(), rel=1e-6)
     assert x[:, 7].tolist() == pytest.approx([1.0, 0.0], abs=1e-6)
-    assert probe_inputs(hidden[:1], torch.zeros(1, 1))[0, 7] == 30.0  # one token: a wide margin
+    assert probe_inputs(hidden[:1], *summarise(torch.zeros(1, 1)))[0, 7] == 30.0  # one token: a wide margin
 
 
 def test_the_fit_finds_the_direction_that_decides_acceptance():
@@ -44,11 +44,12 @@ def test_the_fit_finds_the_direction_that_decides_acceptance():
     hidden = torch.randn(4000, 6, generator=gen) * torch.tensor([1.0, 3.0, 1.0, 1.0, 1.0, 1.0])
     logp = torch.log_softmax(torch.randn(4000, 10, generator=gen), -1)
     y = (torch.rand(4000, generator=gen) < torch.sigmoid(2 * hidden[:, 1])).float()
-    probe = fit_logistic(probe_inputs(hidden, logp), y, l2=1e-4)
+    probe = fit_logistic(probe_inputs(hidden, *summarise(logp)), y, l2=1e-4)
     w = probe.weight / probe.scale  # per raw unit
     assert w[1] == pytest.approx(2.0, rel=0.15) and w.abs()[[0, 2, 3, 4, 5]].max() < 0.3  # (the summaries: collinear here)
-    z = probe(hidden, logp)
-    assert z.shape == (4000,) and float(torch.corrcoef(torch.stack([z, 2 * hidden[:, 1]]))[0, 1]) > 0.98
+    z = probe(hidden, *summarise(logp))
+    assert z.shape == (4000,) and np.corrcoef(z, 2 * hidden[:, 1].numpy())[0, 1] > 0.98
+    assert z == pytest.approx(probe.score(probe_inputs(hidden, *summarise(logp))).numpy(), rel=1e-4, abs=1e-4)
 
 
 def test_a_saved_probe_loads_back_and_a_bad_one_is_named(tmp_path):
@@ -111,9 +112,9 @@ def test_the_drafter_records_the_probes_logit_where_it_records_the_entropy(tmp_p
     engine.generate(PROMPT, max_new_tokens=2, predict=False)
     tree = keep.trees[0]  # the first cycle's (one row for the root, then one per expanded level)
     assert np.array_equal(np.isnan(tree.node_accept_logit()), np.isnan(tree.node_entropy()))
-    assert tree.root_accept_logit == pytest.approx(float(probe(*rows[0])[0]), rel=1e-5, abs=1e-5)
+    assert tree.root_accept_logit == pytest.approx(float(probe(rows[0][0], *summarise(rows[0][1]))[0]), rel=1e-5, abs=1e-5)
     expanded = np.flatnonzero(~np.isnan(tree.node_accept_logit()))
-    want = torch.cat([probe(h, lp) for h, lp in rows[1:3]]).tolist()
+    want = np.concatenate([probe(h, *summarise(lp)) for h, lp in rows[1:3]]).tolist()
     assert sorted(tree.node_accept_logit()[expanded].tolist()) == pytest.approx(sorted(want), rel=1e-5, abs=1e-5)
     assert len(set(np.round(want, 3))) > 1  # the weight reads the state: not one constant
 
@@ -155,3 +156,27 @@ def test_the_learned_features_read_the_parents_logit_for_its_top_child_and_the_o
     bare = DraftTree(root_token=0)
     bare.add_level([ROOT, ROOT], [1, 2], np.log([0.6, 0.3]).tolist())
     assert not features(bare, 0.5, 0.0)[:, [FEATURES.index("probe_top"), FEATURES.index("probe_other")]].any()
+
+
+def test_saving_new_head_weights_removes_the_probe_fit_on_the_old_ones(tmp_path):
+    from specfit.plugins.drafters.eagle3.checkpoint import load_head
+
+    head_dir, _ = _head_dir(tmp_path)
+    assert (head_dir / PROBE_FILE).is_file()
+    save_head(load_head(head_dir), head_dir)  # e.g. train-drafter writing into the same out_dir
+    assert not (head_dir / PROBE_FILE).exists()
+    assert Eagle3Drafter(path=str(head_dir)).probe is None
+
+
+def test_the_folded_forward_equals_the_standardised_score():
+    gen = torch.Generator().manual_seed(1)
+    probe = AcceptanceProbe(6)
+    for name in ("mean", "weight"):
+        getattr(probe, name).copy_(torch.randn(9, generator=gen))
+    probe.scale.copy_(torch.rand(9, generator=gen) + 0.5)
+    probe.bias.fill_(0.3)
+    hidden, logp = torch.randn(5, 6, generator=gen), torch.log_softmax(torch.randn(5, 12, generator=gen), -1)
+    tops, entropy = summarise(logp)
+    assert probe(hidden, tops, entropy).tolist() == pytest.approx(probe.score(probe_inputs(hidden, tops, entropy)).tolist(), rel=1e-5)
+    one = torch.topk(logp, 1, -1).values  # a single top column: the margin to -30, as probe_inputs
+    assert probe(hidden, one, entropy).tolist() == pytest.approx(probe.score(probe_inputs(hidden, one, entropy)).tolist(), rel=1e-5)

@@ -55,7 +55,8 @@ def random_head(cfg: Eagle3Config, seed: int = 0, std: float = 0.02) -> Eagle3He
 
 def save_head(head: Eagle3Head, path: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write ``head`` in the HF layout (``midlayer.*``, further layers ``layers.<i>.*``); the target's
-    shared embedding or lm_head, which the head does not own, is not written."""
+    shared embedding or lm_head, which the head does not own, is not written. An acceptance probe
+    in ``path`` is removed: it describes the weights being replaced."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -65,6 +66,9 @@ def save_head(head: Eagle3Head, path: str | Path, dtype: torch.dtype | None = No
     if dtype is not None:
         state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
     save_file(state, str(path / "model.safetensors"))
+    from specfit.plugins.drafters.eagle3.probe import PROBE_FILE
+
+    (path / PROBE_FILE).unlink(missing_ok=True)  # fit on the weights these replace: refit with specfit fit-probe
     config["torch_dtype"] = str(dtype or next(head.parameters()).dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,12 +29,20 @@ PROBE_FILE = "acceptance_probe.safetensors"
 SUMMARIES = ("log_top1", "entropy", "margin")  # appended to the hidden state, in this order
 
 
-def probe_inputs(hidden: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-    """float32 [n, hidden + 3]: the head's output states and the summaries of their log-probabilities."""
-    top = torch.topk(logp, min(2, logp.shape[-1]), dim=-1).values
-    second = top[:, 1] if top.shape[1] > 1 else torch.full_like(top[:, 0], -30.0)
-    entropy = torch.special.entr(logp.exp()).sum(-1)
-    return torch.cat([hidden.float(), torch.stack([top[:, 0], entropy, top[:, 0] - second], 1).float()], 1)
+def probe_inputs(hidden: torch.Tensor, top_logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+    """float32 [n, hidden + 3]: the head's output states and the summaries of their distributions,
+    from what the drafter computes anyway: the top log-probabilities ``top_logp`` [n, >= 1]
+    (descending; one column: a wide margin) and the entropies [n]."""
+    first = top_logp[:, 0]
+    second = top_logp[:, 1] if top_logp.shape[1] > 1 else torch.full_like(first, -30.0)
+    return torch.cat([hidden.float(), torch.stack([first, entropy, first - second], 1).float()], 1)
+
+
+def summarise(logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-2 log-probabilities, entropy) of rows of log-probabilities, for :func:`probe_inputs`."""
+    from specfit.plugins.drafters.eagle3.drafter import _entropy
+
+    return torch.topk(logp, min(2, logp.shape[-1]), dim=-1).values, _entropy(logp)
 
 
 class AcceptanceProbe(nn.Module):
@@ -49,9 +58,27 @@ class AcceptanceProbe(nn.Module):
         self.register_buffer("bias", torch.zeros(1))
         self.metrics: dict[str, object] = {}  # how it was fit and how well (saved with it)
 
-    def forward(self, hidden: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-        """float32 [n]: the logit for each of ``hidden`` [n, H] with its ``logp`` [n, V]."""
-        return self.score(probe_inputs(hidden, logp))
+    def forward(self, hidden: torch.Tensor, top_logp: torch.Tensor, entropy: torch.Tensor) -> np.ndarray:
+        """float32 [n], on the host: the logit for each of ``hidden`` [n, H] (see
+        :func:`probe_inputs`). Numpy on weights with the standardisation folded in: the tree takes
+        the logits as an array anyway, and on ten rows a dozen torch ops cost five times this."""
+        w_hidden, w_first, w_entropy, w_margin, b = self._raw_weights()
+        top = top_logp.detach().float().cpu().numpy()
+        second = top[:, 1] if top.shape[1] > 1 else np.full(len(top), -30.0, dtype=np.float32)
+        return (hidden.detach().float().cpu().numpy() @ w_hidden + (top[:, 0] - second) * w_margin
+                + top[:, 0] * w_first + entropy.detach().float().cpu().numpy() * w_entropy + b).astype(np.float32)
+
+    def _raw_weights(self) -> tuple[np.ndarray, float, float, float, float]:
+        """w / scale split by input, and b - mean . w / scale: the weights on raw inputs. Cached
+        until a buffer is replaced or changed in place (their version counters say so)."""
+        key = tuple((id(t), t._version) for t in (self.mean, self.scale, self.weight, self.bias))
+        if getattr(self, "_raw_key", None) != key:
+            w = (self.weight / self.scale).double().cpu()
+            b = float(self.bias.double().cpu() - self.mean.double().cpu() @ w)
+            h = self.hidden_size
+            self._raw = (w[:h].float().numpy(), float(w[h]), float(w[h + 1]), float(w[h + 2]), b)
+            self._raw_key = key
+        return self._raw
 
     def score(self, x: torch.Tensor) -> torch.Tensor:
         """float32 [n]: the logits of inputs already built by :func:`probe_inputs`."""
