@@ -11,10 +11,20 @@ import os
 import random
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+
+@dataclass
+class FrozenTargetSettings:
+    """Where and how a command that only runs the frozen target does so (distill-data, fit-probe)."""
+
+    target_dtype: str = "float32"
+    device: str = "cpu"
+    threads: int = 2
+
 
 def warmup_cosine_lr(step: int, *, total_steps: int, warmup_steps: int, lr: float,
                      min_lr_ratio: float = 0.1) -> float:

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from specfit.errors import ConfigError
-from specfit.training.common import check_trainer_config, progress_bar, write_json
+from specfit.training.common import FrozenTargetSettings, check_trainer_config, progress_bar, write_json
 
 #: Prompts are cut (from the left) to a multiple of this many tokens, so that batching prompts of
 #: one length finds many of each: 64 prompts of 2,048 share about 10 lengths, not 80.
@@ -36,7 +36,7 @@ LENGTH_STEP = 8
 
 
 @dataclass
-class DistillDataConfig:
+class DistillDataConfig(FrozenTargetSettings):
     """Settings of ``specfit distill-data``."""
 
     target_dir: str = "runs/demo-target"  # a Hugging Face checkpoint with its tokenizer
@@ -50,9 +50,6 @@ class DistillDataConfig:
     min_new_tokens: int = 32  # a prompt is cut so that at least this many tokens are generated
     batch_size: int = 32
     seed: int = 0
-    target_dtype: str = "float32"
-    device: str = "cpu"
-    threads: int = 2
 
     def __post_init__(self) -> None:
         from specfit.data.prompts import check_split

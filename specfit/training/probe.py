@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 
 from specfit.errors import ConfigError
-from specfit.training.common import check_trainer_config, progress_bar
+from specfit.training.common import FrozenTargetSettings, check_trainer_config, progress_bar
 
 
 @dataclass
-class FitProbeConfig:
+class FitProbeConfig(FrozenTargetSettings):
     """Settings of ``specfit fit-probe``."""
 
     target_dir: str = "runs/demo-target"  # a Hugging Face checkpoint (AutoModelForCausalLM)
@@ -39,9 +39,6 @@ class FitProbeConfig:
     l2: float = 1e-3  # L2 penalty on the standardised weights
     batch_size: int = 8
     seed: int = 0
-    target_dtype: str = "float32"
-    device: str = "cpu"
-    threads: int = 2
 
     def __post_init__(self) -> None:
         check_trainer_config(self)
@@ -116,16 +113,20 @@ def fit_probe(cfg: FitProbeConfig) -> Path:
     """Fit the probe, print its held-out scores beside the summaries-only model's, save it in head_dir."""
     import torch
 
-    from specfit.plugins.drafters.eagle3.checkpoint import load_head
+    from specfit.plugins.drafters.eagle3.checkpoint import check_head_fits, load_head
     from specfit.plugins.drafters.eagle3.drafter import head_feature_layers
     from specfit.plugins.drafters.eagle3.probe import SUMMARIES, fit_logistic, save_probe
     from specfit.training.drafter import _set_threads, load_frozen_target
+    from specfit.training.target import check_model_context
     from specfit.validation import device_arg
 
     device_arg(cfg.device, key="device")
+    check_model_context(cfg.target_dir, cfg.seq_len, key="target_dir")
+    head = load_head(cfg.head_dir, key="head_dir")  # its problems before the target loads
     _set_threads(cfg.threads)
     model = load_frozen_target(cfg.target_dir, cfg.target_dtype, cfg.device)
-    head = load_head(cfg.head_dir).to(device=model.device, dtype=model.dtype).eval()
+    check_head_fits(head, model.config)
+    head = head.to(device=model.device, dtype=model.dtype).eval()
     if head.embed_tokens is None:
         head.set_target_embedding(model.get_input_embeddings())
     if head.lm_head is None:

@@ -370,3 +370,18 @@ def test_fit_probe_names_a_bad_setting(settings, message):
 
     with pytest.raises(ConfigError, match=message):
         FitProbeConfig(**settings)
+
+
+def test_fit_probe_names_a_missing_target_or_head_by_its_key(patterned, tmp_path):
+    from specfit.errors import ModelError
+    from specfit.training.probe import FitProbeConfig, fit_probe
+
+    np.save(tmp_path / "rows.npy", _chains(patterned["next"], 4, 33, seed=1))
+    rows = [str(tmp_path / "rows.npy")]
+    with pytest.raises(ModelError, match=f"target_dir={tmp_path}/none: no such directory"):
+        fit_probe(FitProbeConfig(target_dir=str(tmp_path / "none"), head_dir=str(tmp_path), train_files=rows))
+    with pytest.raises(ModelError, match=f"head_dir={tmp_path}/none: no such directory"):
+        fit_probe(FitProbeConfig(target_dir=str(patterned["target"]), head_dir=str(tmp_path / "none"), train_files=rows,
+                                 seq_len=32))
+    with pytest.raises(ModelError, match=f"head_dir={tmp_path}: no config.json"):
+        fit_probe(FitProbeConfig(target_dir=str(patterned["target"]), head_dir=str(tmp_path), train_files=rows, seq_len=32))

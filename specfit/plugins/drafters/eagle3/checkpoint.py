@@ -74,28 +74,29 @@ def save_head(head: Eagle3Head, path: str | Path, dtype: torch.dtype | None = No
     return path
 
 
-def load_head(path: str | Path) -> Eagle3Head:
-    """Load a head directory; every problem is reported with the file, field or tensor it concerns."""
+def load_head(path: str | Path, key: str = "drafter.path") -> Eagle3Head:
+    """Load a head directory; every problem is reported with the file, field or tensor it concerns,
+    or with the setting ``key`` that named the directory (kept as ``head.key`` for later checks)."""
     path = Path(path).expanduser()
     if not path.is_dir():
-        raise ModelError(f"drafter.path={path}: {missing_directory(path)} (an EAGLE-3 head is a directory: config.json and weights)")
+        raise ModelError(f"{key}={path}: {missing_directory(path)} (an EAGLE-3 head is a directory: config.json and weights)")
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise ModelError(f"drafter.path={path}: no config.json")
+        raise ModelError(f"{key}={path}: no config.json")
     raw = read_json_object(config_file, str(config_file), ModelError)
     try:
         cfg = config_from_json(raw, str(config_file))
     except (TypeError, ValueError, AttributeError) as exc:  # a value of the wrong type, e.g. "hidden_size": "big"
         raise ModelError(f"{config_file}: not an EAGLE-3 head config ({type(exc).__name__}: {exc})") from exc
-    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "vocab_size", "draft_vocab_size", "target_hidden_size"):
-        if getattr(cfg, key) < 1:
-            raise ModelError(f"{config_file}: {key}={getattr(cfg, key)} must be >= 1")
+    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "vocab_size", "draft_vocab_size", "target_hidden_size"):
+        if getattr(cfg, name) < 1:
+            raise ModelError(f"{config_file}: {name}={getattr(cfg, name)} must be >= 1")
     # 0 or below: NaN drafts, blamed on the drafter mid-decode
-    for key, value in (("rms_norm_eps", cfg.rms_norm_eps), ("rope_theta", cfg.rope_parameters.get("rope_theta", 1.0))):
+    for name, value in (("rms_norm_eps", cfg.rms_norm_eps), ("rope_theta", cfg.rope_parameters.get("rope_theta", 1.0))):
         if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-            raise ModelError(f"{config_file}: {key}={value!r} must be a finite number > 0")
-    state = tensor_names(_read_state(path), raw, str(path))
+            raise ModelError(f"{config_file}: {name}={value!r} must be a finite number > 0")
+    state = tensor_names(_read_state(path, key), raw, str(path))
     try:
         head = Eagle3Head(cfg)
     except (KeyError, ValueError, TypeError) as exc:  # transformers' rotary embedding refused rope_scaling
@@ -119,7 +120,7 @@ def load_head(path: str | Path) -> Eagle3Head:
         whole_model = "fc.weight" not in state and cfg.use_aux_hidden_state
         if whole_model and architectures and not any("eagle" in str(a).lower() for a in architectures) \
                 and not is_speculators(raw):
-            raise ModelError(f"drafter.path={path}: a {', '.join(map(str, architectures))} checkpoint, not an EAGLE-3 "
+            raise ModelError(f"{key}={path}: a {', '.join(map(str, architectures))} checkpoint, not an EAGLE-3 "
                              "head: name a head's directory (the weights of LlamaForCausalLMEagle3 or a speculators "
                              "eagle3 model)") from None
         raise
@@ -134,7 +135,7 @@ def load_head(path: str | Path) -> Eagle3Head:
     if "t2d" in state:
         state["t2d"] = state["t2d"].bool()
     head.load_state_dict(state, strict=True)
-    head.source = str(path)  # named by errors about how the head fits its target
+    head.source, head.key = str(path), key  # named by errors about how the head fits its target
     return head.eval()
 
 
@@ -184,18 +185,18 @@ def check_head_fits(head: Eagle3Head, target_config: object) -> None:
         raise ModelError(f"{where}: head d2t maps draft tokens outside the target's vocabulary (0..{tc.vocab_size - 1})")
 
 
-def _read_state(path: Path) -> dict[str, torch.Tensor]:
+def _read_state(path: Path, key: str) -> dict[str, torch.Tensor]:
     """Every tensor of the head: one weight file, else the shards its index names."""
     for name in WEIGHT_FILES:
         if (path / name).is_file():
-            return _read_file(path / name, path)
+            return _read_file(path / name, path, key)
     for name in INDEX_FILES:
         if (path / name).is_file():
-            return _read_shards(path / name, path)
-    raise ModelError(f"drafter.path={path}: no weights ({' or '.join(WEIGHT_FILES)}) and no {INDEX_FILES[0]}")
+            return _read_shards(path / name, path, key)
+    raise ModelError(f"{key}={path}: no weights ({' or '.join(WEIGHT_FILES)}) and no {INDEX_FILES[0]}")
 
 
-def _read_shards(index: Path, path: Path) -> dict[str, torch.Tensor]:
+def _read_shards(index: Path, path: Path, key: str) -> dict[str, torch.Tensor]:
     """The shards an index names; a tensor the index places in a shard that lacks it is an error."""
     weight_map = read_json_object(index, str(index), ModelError).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
@@ -205,7 +206,7 @@ def _read_shards(index: Path, path: Path) -> dict[str, torch.Tensor]:
         file = path / shard
         if Path(shard).name != shard or not file.is_file():
             raise ModelError(f"{index}: names shard {shard}, which is not a file in {path}")
-        tensors = _read_file(file, path)
+        tensors = _read_file(file, path, key)
         listed = sorted(k for k, v in weight_map.items() if v == shard and k not in tensors)
         if listed:
             raise ModelError(f"{index}: places tensors {_listed(listed)} in {shard}, which does not hold them")
@@ -213,12 +214,12 @@ def _read_shards(index: Path, path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _read_file(file: Path, path: Path) -> dict[str, torch.Tensor]:
+def _read_file(file: Path, path: Path, key: str) -> dict[str, torch.Tensor]:
     from specfit.core.loading import check_safetensors
 
     safetensors = file.name.endswith(".safetensors")
     if safetensors:
-        check_safetensors(file, f"drafter.path={path}")  # truncated or not safetensors: a clear line
+        check_safetensors(file, f"{key}={path}")  # truncated or not safetensors: a clear line
     try:
         if safetensors:
             from safetensors.torch import load_file
