@@ -22,7 +22,8 @@ from specfit.interfaces import Selection, SelectorBase
 from specfit.plugins.acceptance.learned import FEATURES, LearnedAcceptance, features
 from specfit.plugins.caches.lru import LRUCache
 from specfit.plugins.cost_models.union import UnionCostModel
-from specfit.plugins.drafters.eagle3.drafter import Eagle3Drafter, _entropy
+from specfit.plugins.drafters.eagle3.drafter import Eagle3Drafter
+from specfit.plugins.drafters.eagle3.probe import entropies as _entropy
 from specfit.plugins.predictors.history import HistoryPredictor
 from specfit.plugins.selectors.specfit import SpecFitSelector
 from specfit.trace import load_trace
