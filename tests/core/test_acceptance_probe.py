@@ -180,3 +180,28 @@ def test_the_folded_forward_equals_the_standardised_score():
     assert probe(hidden, tops, entropy).tolist() == pytest.approx(probe.score(probe_inputs(hidden, tops, entropy)).tolist(), rel=1e-5)
     one = torch.topk(logp, 1, -1).values  # a single top column: the margin to -30, as probe_inputs
     assert probe(hidden, one, entropy).tolist() == pytest.approx(probe.score(probe_inputs(hidden, one, entropy)).tolist(), rel=1e-5)
+
+
+def test_learned_with_the_probe_leaves_greedy_and_seeded_sampled_output_unchanged(tmp_path):
+    from specfit.core.calibration import CostConstants
+    from specfit.core.sampling import SamplingParams
+    from specfit.plugins.cost_models.union import UnionCostModel
+    from specfit.plugins.predictors.history import HistoryPredictor
+    from specfit.plugins.selectors.specfit import SpecFitSelector
+
+    head_dir, _ = _head_dir(tmp_path)
+    constants = CostConstants(c0=2e-3, c_tok=1e-4, c_miss=4e-5, c_hit=2e-5, c_level=1e-5, c_draft0=1e-5)
+
+    def engine() -> Engine:
+        return Engine(tiny_model(), drafter=Eagle3Drafter(path=str(head_dir), top_k=3, depth=3, total_tokens=8),
+                      selector=SpecFitSelector(acceptance="learned", draft_gate=False, draft_time="modelled"),
+                      cost_model=UnionCostModel(constants=constants), predictor=HistoryPredictor(), device="cpu")
+
+    with torch.no_grad():
+        ref = tiny_model().generate(torch.tensor([PROMPT]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0]
+    spec = engine()
+    assert spec.generate(PROMPT, max_new_tokens=12).token_ids == ref[len(PROMPT):].tolist()
+    assert spec.selector.acceptance_score.nodes > 0  # it estimated, with the probe's logits in its features
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+    plain = Engine(tiny_model(), device="cpu").generate(PROMPT, 12, params).token_ids
+    assert engine().generate(PROMPT, 12, params).token_ids == plain
