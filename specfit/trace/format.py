@@ -34,8 +34,9 @@ top-k K):
     root_accept_logit [N] float32             and at each root (its acceptance probe; NaN: none)
 
 Format version 1 had no ``node_entropy``, ``root_entropy`` and ``root_prob``, version 2 no
-``*_accept_logit``: such traces still load (the arrays read as NaN, and :attr:`Trace.notes` says
-so), and replay exactly what they recorded.
+``*_accept_logit``: such traces still load (the arrays read as NaN; for version 1
+:attr:`Trace.notes` says so, while a version-2 trace reads as one recorded by a head without an
+acceptance probe), and replay exactly what they recorded.
 
 The verified nodes are the recording's candidate union (see :mod:`specfit.trace.record`); the other
 drafted nodes are kept so that selectors and predictors see the very tree they saw live.
@@ -398,8 +399,12 @@ class TraceWriter:
         except (ValueError, KeyError, TypeError) as exc:
             raise TraceError(f"{partial_path}: corrupt ({type(exc).__name__}); set trace.overwrite=true "
                              f"to record afresh") from exc
+        if partial.get("version") != VERSION:
+            raise TraceError(f"trace.path={path}: the interrupted recording there is of trace format "
+                             f"{partial.get('version')}, this specfit writes format {VERSION}: set "
+                             f"trace.overwrite=true to record afresh")
         differs = config_difference(saved_config, config, ignore)
-        if partial.get("version") != VERSION or _plain(saved_spec) != _plain(spec) or differs:
+        if _plain(saved_spec) != _plain(spec) or differs:
             raise TraceError(f"trace.path={path}: the interrupted recording there used another config "
                              f"({differs or 'model'} differs): resume with the same settings, or set "
                              f"trace.overwrite=true to record afresh")

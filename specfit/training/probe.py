@@ -42,6 +42,9 @@ class FitProbeConfig(FrozenTargetSettings):
 
     def __post_init__(self) -> None:
         check_trainer_config(self)
+        for key, least in (("max_windows", 1), ("seq_len", 2)):
+            if getattr(self, key) < least:
+                raise ConfigError(f"{key}={getattr(self, key)} must be >= {least}")
         if not self.train_files:
             raise ConfigError("train_files is empty: give .npy token rows of the target's own text "
                               "(specfit distill-data target_dir=DIR out=F.npy)")
@@ -115,7 +118,8 @@ def fit_probe(cfg: FitProbeConfig) -> Path:
 
     from specfit.plugins.drafters.eagle3.checkpoint import check_head_fits, load_head
     from specfit.plugins.drafters.eagle3.drafter import head_feature_layers
-    from specfit.plugins.drafters.eagle3.probe import SUMMARIES, fit_logistic, save_probe
+    from specfit.files import check_writable
+    from specfit.plugins.drafters.eagle3.probe import PROBE_FILE, SUMMARIES, fit_logistic, save_probe
     from specfit.training.drafter import _set_threads, load_frozen_target
     from specfit.training.target import check_model_context
     from specfit.validation import device_arg
@@ -123,6 +127,7 @@ def fit_probe(cfg: FitProbeConfig) -> Path:
     device_arg(cfg.device, key="device")
     check_model_context(cfg.target_dir, cfg.seq_len, key="target_dir")
     head = load_head(cfg.head_dir, key="head_dir")  # its problems before the target loads
+    check_writable(Path(cfg.head_dir).expanduser() / PROBE_FILE, "head_dir")
     _set_threads(cfg.threads)
     model = load_frozen_target(cfg.target_dir, cfg.target_dtype, cfg.device)
     check_head_fits(head, model.config)
@@ -153,6 +158,10 @@ def fit_probe(cfg: FitProbeConfig) -> Path:
         hx, hy, hs = probe_samples(head, model, held, layers, cfg.steps, 1.0, cfg.batch_size, cfg.seed + 1, bar)
     finally:
         bar.close()
+    for name, labels in (("train_files", y), ("eval_files" if cfg.eval_files else "train_files (held out)", hy)):
+        if len(labels) == 0 or float(labels.min()) == float(labels.max()):  # one class: nothing to separate
+            seen = "no samples" if len(labels) == 0 else f"the head's top-1 {'right' if labels[0] else 'wrong'} on all {len(labels)}"
+            raise ConfigError(f"{name}: {seen}: nothing to fit or score a probe on (more rows, or raise max_samples)")
     probe = fit_logistic(x, y, cfg.l2)
     summaries = fit_logistic(x[:, -len(SUMMARIES):], y, cfg.l2)  # the same model without the hidden state
     with torch.no_grad():
@@ -164,7 +173,9 @@ def fit_probe(cfg: FitProbeConfig) -> Path:
         "seconds": round(time.perf_counter() - began, 1),
     }
     probe.metrics = {"config": asdict(cfg), **result}
-    path = save_probe(probe, cfg.head_dir)
+    if not all(bool(torch.isfinite(t).all()) for t in (probe.mean, probe.scale, probe.weight, probe.bias)):
+        raise ConfigError("fit-probe: the fit diverged (non-finite weights); raise l2, or check the rows")
+    path = save_probe(probe, Path(cfg.head_dir).expanduser())
     print(json.dumps(result))
     print(f"fit-probe: wrote {path}")
     return path

@@ -182,8 +182,9 @@ def test_the_folded_forward_equals_the_standardised_score():
     assert probe(hidden, one, entropy).tolist() == pytest.approx(probe.score(probe_inputs(hidden, one, entropy)).tolist(), rel=1e-5)
 
 
-def test_learned_with_the_probe_leaves_greedy_and_seeded_sampled_output_unchanged(tmp_path):
+def test_learned_with_the_probe_leaves_greedy_and_seeded_sampled_output_unchanged(tmp_path, monkeypatch):
     from specfit.core.calibration import CostConstants
+    from specfit.plugins.acceptance import learned
     from specfit.core.sampling import SamplingParams
     from specfit.plugins.cost_models.union import UnionCostModel
     from specfit.plugins.predictors.history import HistoryPredictor
@@ -199,9 +200,65 @@ def test_learned_with_the_probe_leaves_greedy_and_seeded_sampled_output_unchange
 
     with torch.no_grad():
         ref = tiny_model().generate(torch.tensor([PROMPT]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0]
+    read = []  # the probe columns of every feature matrix the estimator built
+    real = learned.features
+    monkeypatch.setattr(learned, "features", lambda *a, **k: read.append(real(*a, **k)[:, -2:]) or real(*a, **k))
     spec = engine()
     assert spec.generate(PROMPT, max_new_tokens=12).token_ids == ref[len(PROMPT):].tolist()
-    assert spec.selector.acceptance_score.nodes > 0  # it estimated, with the probe's logits in its features
+    assert spec.selector.acceptance_score.nodes > 0 and any(x.any() for x in read)  # the logits reached it
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
     plain = Engine(tiny_model(), device="cpu").generate(PROMPT, 12, params).token_ids
     assert engine().generate(PROMPT, 12, params).token_ids == plain
+
+
+def test_the_cached_raw_weights_follow_a_buffer_changed_in_place():
+    probe = AcceptanceProbe(4)
+    hidden, tops, entropy = torch.ones(2, 4), torch.tensor([[-0.1, -2.0], [-0.5, -1.0]]), torch.tensor([0.3, 0.9])
+    assert probe(hidden, tops, entropy).tolist() == [0.0, 0.0]
+    probe.weight[0] = 2.0  # in place, after a call cached the fold
+    assert probe(hidden, tops, entropy).tolist() == pytest.approx([2.0, 2.0])
+    probe.bias.fill_(-1.0)
+    assert probe(hidden, tops, entropy).tolist() == pytest.approx([1.0, 1.0])
+
+
+def test_a_format_2_trace_loads_with_unknown_logits_and_replays_as_recorded(tmp_path):
+    import json
+    import shutil
+
+    from specfit.plugins.acceptance.learned import LearnedAcceptance
+    from specfit.trace.format import ADDED_IN
+
+    head_dir, _ = _head_dir(tmp_path)
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=4),
+                    drafter=Eagle3Drafter(path=str(head_dir), top_k=3, depth=3, total_tokens=8), device="cpu")
+    path = record(engine, [PROMPT], max_new_tokens=6).save(tmp_path / "trace")
+    old = tmp_path / "v2"
+    shutil.copytree(path, old)
+    meta = json.loads((old / "meta.json").read_text())
+    (old / "meta.json").write_text(json.dumps({**meta, "version": 2}))
+    for file in old.glob("seq-*.npz"):
+        with np.load(file) as npz:
+            arrays = {k: npz[k] for k in npz.files if k not in ADDED_IN[3]}
+        np.savez(file, **arrays)
+    new_seq, old_seq = load_trace(path).sequences[0], load_trace(old).sequences[0]
+    assert np.isnan(old_seq.node_accept_logit).all() and np.isnan(old_seq.root_accept_logit).all()
+    assert np.array_equal(old_seq.node_token, new_seq.node_token) and np.isfinite(new_seq.root_accept_logit).all()
+    # the features read the logits where the trace has them, and 0 where it does not
+    columns = [FEATURES.index("probe_top"), FEATURES.index("probe_other")]
+    for seq, known in ((new_seq, True), (old_seq, False)):
+        position = seq.position(0)
+        tree = DraftTree(root_token=position.root)
+        for _ in position.draft(tree):
+            pass
+        x = features(tree, 0.5, 0.0, token_rate=LearnedAcceptance().token_rates)
+        assert bool(x[:, columns].any()) == known
+
+
+def test_a_probe_left_unused_is_another_setup(tmp_path):
+    from specfit.core.calibration import _unused_probe
+
+    head_dir, _ = _head_dir(tmp_path)
+    assert not _unused_probe(Eagle3Drafter(path=str(head_dir)))
+    assert _unused_probe(Eagle3Drafter(path=str(head_dir), acceptance_probe=False))
+    (head_dir / PROBE_FILE).unlink()
+    assert not _unused_probe(Eagle3Drafter(path=str(head_dir), acceptance_probe=False))

@@ -363,10 +363,15 @@ def test_fit_probe_writes_a_probe_the_drafter_uses_losslessly(patterned, trained
     ({"train_files": []}, "train_files is empty"),
     ({"train_files": ["a.npy"]}, "train_files: a.npy: no such file"),
     ({"train_files": [__file__]}, "fit-probe reads .npy token rows"),
+    ({"train_files": ["x.npy"], "max_windows": 0}, "max_windows=0 must be >= 1"),
+    ({"train_files": ["x.npy"], "seq_len": 1}, "seq_len=1 must be >= 2"),
 ])
-def test_fit_probe_names_a_bad_setting(settings, message):
+def test_fit_probe_names_a_bad_setting(settings, message, tmp_path, monkeypatch):
     from specfit.errors import ConfigError
     from specfit.training.probe import FitProbeConfig
+
+    monkeypatch.chdir(tmp_path)
+    np.save(tmp_path / "x.npy", np.zeros((2, 8), dtype=np.int64))
 
     with pytest.raises(ConfigError, match=message):
         FitProbeConfig(**settings)

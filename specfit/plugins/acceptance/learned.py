@@ -122,7 +122,7 @@ def features(tree: DraftTree, recent: float, root_logit: float, start: int = 0, 
         x[:, 13] = x[:, 11] * log_length
     if token_rate is not None:
         x[:, 14] = token_rate.lookup(tree.tokens[start:stop])
-    probe = np.nan_to_num(tree.parent_accept_logit(start, stop), nan=0.0)
+    probe = np.clip(np.nan_to_num(tree.parent_accept_logit(start, stop), nan=0.0), -30.0, 30.0)
     x[:, 15] = np.where(rank == 0, probe, 0.0)
     x[:, 16] = np.where(rank == 0, 0.0, probe)
     return x
