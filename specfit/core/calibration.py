@@ -227,8 +227,9 @@ def _unused_probe(drafter: Any) -> bool:
     return (Path(path).expanduser() / PROBE_FILE).is_file()
 
 
-def head_weights_digest(directory: str | None) -> str | None:
-    """A short digest of a head directory's weight files, or None (no directory, no weights).
+def head_weights_digest(directory: str | None, skip: Sequence[str] = ()) -> str | None:
+    """A short digest of a head directory's weight files (but the names in ``skip``), or None (no
+    directory, no weights).
 
     Each file's size and its first and last MiB, so a head of gigabytes is not read whole on every
     build; a retrained head of the same shape differs in both. Cached per (path, size, mtime)."""
@@ -236,7 +237,7 @@ def head_weights_digest(directory: str | None) -> str | None:
         return None
     folder = Path(directory).expanduser()
     try:
-        files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
+        files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt") and p.name not in skip)
         stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
     except OSError:
         return None

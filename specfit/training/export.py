@@ -34,11 +34,12 @@ def export_demo(target_dir: str | Path, head_dir: str | Path, out_dir: str | Pat
     model.to(torch.bfloat16).save_pretrained(target_out, safe_serialization=True)
     AutoTokenizer.from_pretrained(target_dir).save_pretrained(target_out)
     save_head(load_head(head_dir), head_out, dtype=torch.bfloat16)
-    from specfit.plugins.drafters.eagle3.probe import PROBE_FILE
+    from specfit.plugins.drafters.eagle3.probe import PROBE_FILE, restamp_probe
 
     for extra in ("draft_vocab.json", PROBE_FILE):  # the probe: fit on this head (specfit fit-probe)
         if (Path(head_dir) / extra).is_file():
             shutil.copy(Path(head_dir) / extra, head_out / extra)
+    restamp_probe(head_out)  # the same head, re-encoded in bfloat16
     from specfit.data.prompts import gsm_prompts, prose_prompts
 
     prompts = [{"kind": "prose", "prompt": p} for p in prose_prompts(data_dir, prompts_per_kind, 320, seed=7)]

@@ -262,3 +262,23 @@ def test_a_probe_left_unused_is_another_setup(tmp_path):
     assert _unused_probe(Eagle3Drafter(path=str(head_dir), acceptance_probe=False))
     (head_dir / PROBE_FILE).unlink()
     assert not _unused_probe(Eagle3Drafter(path=str(head_dir), acceptance_probe=False))
+
+
+def test_a_probe_beside_other_weights_than_it_was_fit_on_is_refused(tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from specfit.plugins.drafters.eagle3.probe import restamp_probe
+
+    head_dir, _ = _head_dir(tmp_path)
+    assert Eagle3Drafter(path=str(head_dir)).probe is not None
+    copy = tmp_path / "copy"
+    shutil.copytree(head_dir, copy)
+    state = load_file(str(copy / "model.safetensors"))
+    save_file({k: v + 1 if v.is_floating_point() else v for k, v in state.items()}, str(copy / "model.safetensors"))
+    with pytest.raises(ModelError, match=f"{PROBE_FILE}: was fit on other weights than .*refit it"):
+        Eagle3Drafter(path=str(copy))
+    assert Eagle3Drafter(path=str(copy), acceptance_probe=False).probe is None  # the head alone still loads
+    restamp_probe(copy)  # what export does for the same head re-encoded
+    assert Eagle3Drafter(path=str(copy)).probe is not None

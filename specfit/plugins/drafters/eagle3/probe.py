@@ -94,31 +94,64 @@ class AcceptanceProbe(nn.Module):
         return ((x - self.mean) / self.scale) @ self.weight + self.bias
 
 
+def head_digest(head_dir: str | Path) -> str | None:
+    """The digest of the head's own weight files (the probe's left out) that a probe is stamped with."""
+    from specfit.core.calibration import head_weights_digest
+
+    return head_weights_digest(str(head_dir), skip=(PROBE_FILE,))
+
+
 def save_probe(probe: AcceptanceProbe, head_dir: str | Path) -> Path:
-    """Write ``head_dir/acceptance_probe.safetensors``, the fit's metrics in its metadata."""
+    """Write ``head_dir/acceptance_probe.safetensors``: the fit's metrics in its metadata, and the
+    digest of the head's weights it was fit on (:func:`load_probe` refuses it beside others)."""
     from safetensors.torch import save_file
 
     path = Path(head_dir) / PROBE_FILE
     state = {k: v.detach().float().contiguous().cpu() for k, v in probe.state_dict().items()}
-    save_file(state, str(path), metadata={"metrics": json.dumps(probe.metrics)})
+    metadata = {"metrics": json.dumps(probe.metrics), "head_digest": head_digest(head_dir) or ""}
+    save_file(state, str(path), metadata=metadata)
     return path
 
 
-def load_probe(head_dir: str | Path, hidden_size: int) -> AcceptanceProbe | None:
-    """The probe saved beside a head, or None; a file that does not fit the head is named."""
-    from safetensors import SafetensorError, safe_open
+def restamp_probe(head_dir: str | Path) -> None:
+    """Stamp the probe in ``head_dir`` with its head's present weights: for a copy of the head
+    re-encoded (export's bfloat16), which is the head the probe was fit on."""
+    path = Path(head_dir) / PROBE_FILE
+    if path.is_file():
+        save_probe(_read_probe(path, None)[0], head_dir)
 
-    path = Path(head_dir).expanduser() / PROBE_FILE
+
+def load_probe(head_dir: str | Path, hidden_size: int) -> AcceptanceProbe | None:
+    """The probe saved beside a head, or None; a file that does not fit the head, or was fit on
+    other weights (its stamp, where it has one), is named."""
+    head_dir = Path(head_dir).expanduser()
+    path = head_dir / PROBE_FILE
     if not path.is_file():
         return None
-    probe = AcceptanceProbe(hidden_size)
+    probe, stamp = _read_probe(path, hidden_size)
+    now = head_digest(head_dir)
+    if stamp and now and stamp != now:
+        raise ModelError(f"{path}: was fit on other weights than {head_dir}'s (head digest {stamp}, now {now}); "
+                         f"refit it with specfit fit-probe or remove it")
+    return probe
+
+
+def _read_probe(path: Path, hidden_size: int | None) -> tuple[AcceptanceProbe, str]:
+    """The probe in ``path``, checked against ``hidden_size`` (None: the file's own), and the head
+    digest it is stamped with ("" where none)."""
+    from safetensors import SafetensorError, safe_open
+
     try:
         with safe_open(str(path), framework="pt") as f:
             state = {k: f.get_tensor(k) for k in f.keys()}
-            metrics = json.loads((f.metadata() or {}).get("metrics", "{}"))
+            metadata = f.metadata() or {}
+            metrics = json.loads(metadata.get("metrics", "{}"))
     except (SafetensorError, OSError, ValueError) as exc:
         raise ModelError(f"{path}: not a readable acceptance probe ({exc}); refit it with specfit fit-probe "
                          f"or remove it") from None
+    if hidden_size is None:
+        hidden_size = max(0, len(state.get("weight", ())) - len(SUMMARIES))
+    probe = AcceptanceProbe(hidden_size)
     expected = {k: tuple(v.shape) for k, v in probe.state_dict().items()}
     found = {k: tuple(v.shape) for k, v in state.items()}
     if found != expected:
@@ -128,7 +161,7 @@ def load_probe(head_dir: str | Path, hidden_size: int) -> AcceptanceProbe | None
         raise ModelError(f"{path}: holds non-finite values or a scale <= 0; refit it with specfit fit-probe")
     probe.load_state_dict(state)
     probe.metrics = metrics if isinstance(metrics, dict) else {}
-    return probe
+    return probe, str(metadata.get("head_digest", ""))
 
 
 def fit_logistic(x: torch.Tensor, y: torch.Tensor, l2: float, iterations: int = 200) -> AcceptanceProbe:
