@@ -6,8 +6,9 @@ target has not processed yet; ``parent == -1`` marks a child of the root.
 
 Besides the nodes, a tree may carry what acceptance estimators learn from and that only the
 drafter or the verifier knows: the draft head's entropy at each node it expanded (and at the
-root) and its acceptance probe's logit there, the target's probability of the root token, and the sequence the tree continues. All are
-optional: NaN / None when the drafter or verifier does not provide them.
+root) and its acceptance probe's logit there, the target's probability of the root token, and the
+sequence the tree continues. All are optional: NaN / None when the drafter or verifier does not
+provide them.
 """
 
 from __future__ import annotations
