@@ -211,20 +211,10 @@ def setup_fingerprint(engine: Any) -> dict[str, Any]:
                     **({"weights": weights} if weights else {}),
                     # a head's acceptance probe left unused (drafter.acceptance_probe=false) is another
                     # setup: the estimator state stored with its logits must not carry over
-                    **({"acceptance_probe": False} if _unused_probe(engine.drafter) else {})},
+                    **({"acceptance_probe": False} if getattr(engine.drafter, "probe_left_unused", False) else {})},
         "machine": {"node": platform.node(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count()},
     }
-
-
-def _unused_probe(drafter: Any) -> bool:
-    """Whether ``drafter`` leaves unused the acceptance probe its head directory holds."""
-    from specfit.plugins.drafters.eagle3.probe import PROBE_FILE
-
-    path = getattr(drafter, "path", None)
-    if not path or path == "random" or getattr(drafter, "probe", None) is not None:
-        return False
-    return (Path(path).expanduser() / PROBE_FILE).is_file()
 
 
 def head_weights_digest(directory: str | None, skip: Sequence[str] = ()) -> str | None:

@@ -255,13 +255,19 @@ def test_a_format_2_trace_loads_with_unknown_logits_and_replays_as_recorded(tmp_
 
 
 def test_a_probe_left_unused_is_another_setup(tmp_path):
-    from specfit.core.calibration import _unused_probe
+    from specfit.core.calibration import setup_fingerprint
 
     head_dir, _ = _head_dir(tmp_path)
-    assert not _unused_probe(Eagle3Drafter(path=str(head_dir)))
-    assert _unused_probe(Eagle3Drafter(path=str(head_dir), acceptance_probe=False))
+
+    def drafter_key(**kw) -> dict:
+        engine = Engine(tiny_model(), drafter=Eagle3Drafter(path=str(head_dir), **kw), device="cpu")
+        return setup_fingerprint(engine)["drafter"]
+
+    used, unused = drafter_key(), drafter_key(acceptance_probe=False)
+    assert "acceptance_probe" not in used and unused["acceptance_probe"] is False
+    assert {k: v for k, v in unused.items() if k != "acceptance_probe"} == used
     (head_dir / PROBE_FILE).unlink()
-    assert not _unused_probe(Eagle3Drafter(path=str(head_dir), acceptance_probe=False))
+    assert "acceptance_probe" not in drafter_key(acceptance_probe=False)
 
 
 def test_a_probe_beside_other_weights_than_it_was_fit_on_is_refused(tmp_path):

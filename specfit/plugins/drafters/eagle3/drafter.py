@@ -14,6 +14,7 @@ does its acceptance probe's logit, where the head directory has one (:mod:`.prob
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -23,7 +24,7 @@ from specfit.errors import ConfigError, ModelError
 from specfit.interfaces import ROOT, DrafterBase, DrafterConfig, DraftTree
 from specfit.plugins.drafters.eagle3.checkpoint import check_head_fits, head_config_for, load_head, random_head
 from specfit.plugins.drafters.eagle3.head import Eagle3Head
-from specfit.plugins.drafters.eagle3.probe import AcceptanceProbe, entropies, load_probe
+from specfit.plugins.drafters.eagle3.probe import PROBE_FILE, AcceptanceProbe, entropies, load_probe
 from specfit.validation import integer, optional_integer
 
 
@@ -142,6 +143,10 @@ class Eagle3Drafter(DrafterBase):
             self.probe = load_probe(from_dir, self.head.cfg.hidden_size)
         else:
             self.probe = None
+        # the head's directory holds a probe this drafter does not use: another setup for what is
+        # stored per setup (specfit.core.calibration.setup_fingerprint), as its estimates differ
+        self.probe_left_unused = (self.probe is None and from_dir is not None
+                                  and (Path(from_dir).expanduser() / PROBE_FILE).is_file())
 
     @classmethod
     def from_config(cls, cfg: Eagle3DrafterConfig) -> Eagle3Drafter:
