@@ -56,8 +56,8 @@ class _SequenceBuilder:
         self.prompt = np.asarray(prompt_ids, dtype=np.int32)
         self.prefill_routing = np.asarray(routing).astype(dtype)
         self.roots: list[int] = []
-        self.trees: list[tuple[np.ndarray, ...]] = []  # per cycle: tokens, parents, depths, log-probs, entropies,
-        # acceptance logits
+        # per cycle: tokens, parents, depths, log-probs, entropies, acceptance logits
+        self.trees: list[tuple[np.ndarray, ...]] = []
         self.verified: list[tuple[np.ndarray, ...]] = []  # per cycle: nodes, argmax, routing
         self.root_argmax: list[int] = []
         self.root_routing: list[np.ndarray] = []

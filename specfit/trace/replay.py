@@ -182,13 +182,14 @@ def model_loader(trace: Trace, model_cfg: Any = None) -> Callable[[], Any]:
                 if not recorded:
                     raise ConfigError("the trace's config names no model: give model.path=DIR (or model=tiny)")
                 cfg = ModelConfig(**{k: v for k, v in recorded.items() if k in ModelConfig.__dataclass_fields__})
-                try:
-                    model = load_target(cfg).model.eval()
-                except SpecfitError as exc:  # the user set no model key: say where this one came from
-                    raise type(exc)(f"{exc} (the model the trace was recorded with, from its meta.json; give "
-                                    "model=NAME or model.path=DIR to replay with it from elsewhere)") from None
-            else:
+            try:
                 model = load_target(cfg).model.eval()
+            except SpecfitError as exc:
+                if model_cfg is not None:
+                    raise
+                # the user set no model key: say where this one came from
+                raise type(exc)(f"{exc} (the model the trace was recorded with, from its meta.json; give "
+                                "model=NAME or model.path=DIR to replay with it from elsewhere)") from None
             _check_model_matches(trace, model, given=model_cfg is not None)
             cache.append(model)
         return cache[0]

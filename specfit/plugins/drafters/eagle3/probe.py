@@ -65,26 +65,19 @@ class AcceptanceProbe(nn.Module):
 
     def forward(self, hidden: torch.Tensor, top_logp: torch.Tensor, entropy: torch.Tensor) -> np.ndarray:
         """float32 [n], on the host: the logit for each of ``hidden`` [n, H] (see
-        :func:`probe_inputs`). Numpy on weights with the standardisation folded in: the tree takes
-        the logits as an array anyway, and on ten rows a dozen torch ops cost twice this."""
-        w_hidden, w_first, w_entropy, w_margin, b = self._raw_weights()
-        h = self.hidden_size
-        x = torch.cat([hidden.detach().float(), top_logp[:, :2].detach().float(), entropy.detach().float()[:, None]], 1)
-        x = x.cpu().numpy()  # one transfer from the device
-        first, ent = x[:, h], x[:, -1]
-        second = x[:, h + 1] if top_logp.shape[1] > 1 else np.full(len(x), -30.0, dtype=np.float32)
-        return (x[:, :h] @ w_hidden + (first - second) * w_margin + first * w_first + ent * w_entropy
-                + b).astype(np.float32)
+        :func:`probe_inputs`). The product is numpy on weights with the standardisation folded in:
+        the tree takes the logits as an array anyway, and on ten rows torch's ops cost twice this."""
+        w, b = self._raw_weights()
+        x = probe_inputs(hidden.detach(), top_logp.detach(), entropy.detach()).cpu().numpy()  # one transfer
+        return (x @ w + b).astype(np.float32)
 
-    def _raw_weights(self) -> tuple[np.ndarray, float, float, float, float]:
-        """w / scale split by input, and b - mean . w / scale: the weights on raw inputs. Cached
-        until a buffer is replaced or changed in place (their version counters say so)."""
+    def _raw_weights(self) -> tuple[np.ndarray, float]:
+        """(w / scale, b - mean . w / scale): the weights on raw inputs. Cached until a buffer is
+        replaced or changed in place (their version counters say so)."""
         key = tuple((id(t), t._version) for t in (self.mean, self.scale, self.weight, self.bias))
         if getattr(self, "_raw_key", None) != key:
             w = (self.weight / self.scale).double().cpu()
-            b = float(self.bias.double().cpu() - self.mean.double().cpu() @ w)
-            h = self.hidden_size
-            self._raw = (w[:h].float().numpy(), float(w[h]), float(w[h + 1]), float(w[h + 2]), b)
+            self._raw = (w.float().numpy(), float(self.bias.double().cpu() - self.mean.double().cpu() @ w))
             self._raw_key = key
         return self._raw
 
