@@ -10,10 +10,10 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from specfit.core.calibration import (
-    FIT_VERSION, POOR_FIT, calibration_path, check_calibration_destination, load_constants, run_calibration,
+    FIT_VERSION, POOR_FIT, acceptance_setup, calibration_path, check_calibration_destination, load_constants, run_calibration,
     save_constants, setup_differences, stored_fit_version, stored_poor_fit,
 )
-from specfit.core.acceptance_estimators import attach_acceptance
+from specfit.core.acceptance_estimators import attach_acceptance, note_state_file_setup
 from specfit.core.copy_engines import LinkSettings
 from specfit.core.engine import Engine
 from specfit.core.loading import load_target
@@ -86,6 +86,7 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
     if calibrate_now:
         _attach_calibration(engine, calibration_prompts)
     attach_setup_state(engine)  # the selector starts from what earlier engines of this setup learned
+    note_state_file_setup(engine.selector, acceptance_setup(engine))
     return engine
 
 

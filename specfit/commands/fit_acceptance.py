@@ -95,6 +95,9 @@ def fit_acceptance(cfg: FitAcceptanceConfig) -> Path:
             result.estimator = label
             scores.append((label, result))
     model = {"state": fitted.state(), "settings": settings, "trace": str(cfg.trace.path), "samples": samples,
+             # the target and head it is about (traces before 2026-12-07 do not say): an engine of
+             # another setup that loads it notes the difference
+             **({"setup": trace.meta.info["acceptance_setup"]} if "acceptance_setup" in trace.meta.info else {}),
              "scores": {label: {k: v for k, v in s.as_dict().items() if k != "acceptance_reliability"}
                         for label, s in scores}}
     path = write_atomic(out / "learned.json", json.dumps(model, indent=1) + "\n")

@@ -17,7 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from specfit.config import override_key
-from specfit.core.acceptance_estimators import attach_acceptance
+from specfit.core.acceptance_estimators import attach_acceptance, note_state_file_setup
 from specfit.core.cost_profiles import cost_profile
 from specfit.plugins.cost_models.union import OVERRIDES as COST_OVERRIDES
 from specfit.errors import ConfigError
@@ -88,6 +88,7 @@ def replay_config(trace: Trace, cfg: DictConfig, name: str, model: Any, draft_ti
             made["selector"] = NoDraftSelector()
         if not oracle:  # the oracle knows the outcomes: no estimator, and no note that it uses none
             attach_acceptance(made["selector"], cfg.get("acceptance"), note)
+            note_state_file_setup(made["selector"], trace.meta.info.get("acceptance_setup"))
         if cfg.replay.get("cost_profile") is not None and made["cost_model"] is not None:  # charged and planned with
             made["cost_model"].set_constants(cost_profile(cfg.replay.cost_profile).constants)
         return made

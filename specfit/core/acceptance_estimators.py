@@ -223,3 +223,25 @@ def attach_acceptance(selector: Any, node: Any, note: bool = True) -> None:
         raise ConfigError(f"selector.acceptance={own} and acceptance={estimator.name} disagree "
                           f"(selector.acceptance is the earlier name of acceptance=...; give one)")
     selector.set_acceptance(estimator)
+
+
+def note_state_file_setup(selector: Any, here: dict[str, Any] | None) -> None:
+    """An acceptance model the user named (``acceptance.state_file=FILE``) that was fitted on a
+    trace of another target or head (``here``: this run's :func:`specfit.core.calibration.acceptance_setup`,
+    None when unknown) is used as given, but never silently: its estimates are about that setup."""
+    from pathlib import Path
+
+    from specfit.config_messages import note_once
+    from specfit.files import read_json_object
+
+    source = getattr(getattr(selector, "estimator", None), "state_file", "auto")
+    if here is None or source == "auto" or not isinstance(source, str):
+        return
+    stored = read_json_object(Path(source).expanduser(), f"acceptance.state_file={source}", ConfigError).get("setup")
+    if not isinstance(stored, dict):
+        return  # fitted on a trace that did not record its setup (before 2026-12-07): nothing to compare
+    differs = [key for key in sorted(set(stored) | set(here)) if stored.get(key) != here.get(key)]
+    if differs:
+        note_once(f"acceptance.state_file={source} was fitted on a trace of another setup (its "
+                  f"{' and '.join(differs)} {'differ' if len(differs) > 1 else 'differs'} from this run's); its model is used "
+                  f"as given")

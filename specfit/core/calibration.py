@@ -217,6 +217,16 @@ def setup_fingerprint(engine: Any) -> dict[str, Any]:
     }
 
 
+def acceptance_setup(engine: Any) -> dict[str, Any]:
+    """The part of :func:`setup_fingerprint` a drafted node's acceptance depends on: the target
+    and the drafter's head (its weights, whether its probe is used), not the cache, link or machine.
+    A trace records it; ``specfit fit-acceptance`` copies it into the model it writes, so an engine
+    loading that model on another setup says so."""
+    fingerprint = setup_fingerprint(engine)
+    drafter = {k: v for k, v in fingerprint["drafter"].items() if k not in ("depth", "total_tokens", "top_k")}
+    return json.loads(json.dumps({"model": fingerprint["model"], "drafter": drafter}, default=str))
+
+
 def head_weights_digest(directory: str | None, skip: Sequence[str] = ()) -> str | None:
     """A short digest of a head directory's weight files (but the names in ``skip``), or None (no
     directory, no weights).

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from specfit.core.calibration import acceptance_setup
 from specfit.core.tree import DraftTree
 from specfit.errors import ConfigError
 from specfit.interfaces import Selection, SelectionContext, SelectorBase
@@ -189,7 +190,8 @@ def record(engine: Any, prompts: Sequence[str | Sequence[int]], max_new_tokens: 
         config=config,
         constants=constants,
         calibration=calibration,
-        info={k: v for k, v in engine.info.items() if k != "selector"},
+        # what a learned acceptance model fitted on this trace is about (fit-acceptance copies it)
+        info={**{k: v for k, v in engine.info.items() if k != "selector"}, "acceptance_setup": acceptance_setup(engine)},
     )
     return Trace(meta, sequences)
 

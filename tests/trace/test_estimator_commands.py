@@ -114,3 +114,39 @@ def test_replay_notes_once_that_eagle3_uses_no_acceptance_estimates(trace_dir, t
     err = capsys.readouterr().err
     assert err.count("note: acceptance=learned is not used by") == 1 and "selector=eagle3" in err
     assert {r["method"] for r in rows_of(tmp_path / "results.jsonl")} == {"eagle3", "oracle"}
+
+
+def test_a_fitted_model_records_its_setup_and_another_setup_loading_it_says_so(trace_dir, tmp_path, capsys):
+    """fit-acceptance copies the trace's target and head into learned.json; a replay of a trace of
+    another model, or a live engine of another model, that loads it notes the difference (used as
+    given); the setup it was fitted on loads it without a note."""
+    import specfit
+    from specfit import config_messages
+
+    out = tmp_path / "fit"
+    main(["fit-acceptance", f"trace.path={trace_dir}", f"out_dir={out}", "held_out_fraction=0",
+          f"hydra.run.dir={tmp_path / 'run'}"])
+    model_file = out / "learned.json"
+    setup = json.loads(model_file.read_text())["setup"]
+    assert setup["model"] == "builtin:tiny-qwen3-moe" and setup["drafter"]["name"] == "eagle3"
+    replay = ["replay", "selector=specfit", "acceptance=learned", f"acceptance.state_file={model_file}",
+              "replay.oracle=false", "cache.capacity=4", "cost_model.c0=0.002", "cost_model.c_tok=0.0001",
+              "cost_model.c_miss=0.0004", "cost_model.c_hit=0.00002"]
+    config_messages._noted.clear()
+    capsys.readouterr()
+    main([*replay, f"trace.path={trace_dir}", f"hydra.run.dir={tmp_path / 'same'}"])
+    assert "fitted on a trace of another setup" not in capsys.readouterr().err
+
+    other = tmp_path / "mixtral"
+    main(["record", "model=tiny-mixtral", "drafter.top_k=3", "drafter.depth=2", "drafter.total_tokens=4", "~cost_model",
+          "prompt_ids=[5,17,99,3]", "max_new_tokens=6", f"trace.path={other}", f"hydra.run.dir={tmp_path / 'rec'}"])
+    capsys.readouterr()
+    main([*replay, f"trace.path={other}", f"hydra.run.dir={tmp_path / 'other'}"])
+    err = capsys.readouterr().err
+    assert f"acceptance.state_file={model_file} was fitted on a trace of another setup (its model differs" in err
+
+    config_messages._noted.clear()
+    specfit.build(specfit.compose(["model=tiny-mixtral", "drafter=eagle3", "selector=specfit", "cost_model=union",
+                                   "predictor=history", "acceptance=learned", f"acceptance.state_file={model_file}"]),
+                  calibrate_now=False)
+    assert "was fitted on a trace of another setup (its model differs" in capsys.readouterr().err
