@@ -100,12 +100,19 @@ def prefetch_figures(stats: dict[str, Any]) -> dict[str, float]:
     - ``prefetch_recall`` = used / (used + misses): of the expert copies the passes needed (an
       expert a pass used that was not already resident: prefetched in time, or missed and copied
       on demand; one prefetched but evicted before use is a miss), the share prefetch brought;
-    - ``stall_ms_per_token``: the time compute blocked on copies, per output token.
+    - ``stall_ms_per_token``: the time compute blocked on copies, per output token;
+    - ``stall_free_bound``: how much faster the run would be with every copy hidden at no host
+      cost, total / (total - stall, prefill's included): the most any prefetcher can give it on
+      this host and link, whose compute speed sets how much of the time is stall.
     """
     out: dict[str, float] = {}
     tokens = stats.get("num_output_tokens", 0)
     if "h2d_stall_seconds" in stats and tokens:
         out["stall_ms_per_token"] = 1e3 * stats["h2d_stall_seconds"] / tokens
+        seconds = stats.get("total_seconds", 0.0)
+        stall = stats["h2d_stall_seconds"] + stats.get("prefill_h2d_stall_seconds", 0.0)
+        if seconds > stall > 0:
+            out["stall_free_bound"] = seconds / (seconds - stall)
     issued, used = stats.get("prefetch_issued", 0), stats.get("prefetch_used", 0)
     if issued:
         out["prefetch_precision"] = used / issued
@@ -229,7 +236,7 @@ def mean_stats(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out["output_throughput"] = tokens / seconds if seconds else 0.0
     totals = ("expert_cache_hits", "expert_cache_misses", "h2d_bytes", "h2d_seconds", "num_output_tokens", "total_seconds",
               "draft_seconds", "select_seconds", "verify_compute_seconds", "cycles", "draft_tokens", "verified_nodes",
-              "accepted_tokens", "h2d_stall_seconds", "link_busy_seconds", "prefetch_issued", "prefetch_used",
+              "accepted_tokens", "h2d_stall_seconds", "prefill_h2d_stall_seconds", "link_busy_seconds", "prefetch_issued", "prefetch_used",
               "prefetch_wasted", "verify_seconds")
     for key in totals:
         if key in out:

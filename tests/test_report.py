@@ -117,14 +117,19 @@ def test_prefetch_precision_recall_and_stall_in_the_table():
     """Precision = used / issued, recall = used / (used + misses), stall per token; summed over runs."""
     from specfit.results import comparison_table, mean_stats, prefetch_figures
 
-    assert prefetch_figures(_prefetch_row("a", 0.2, 0, 0, 5)) == {"stall_ms_per_token": pytest.approx(20.0)}
+    # 1 s in all, 0.2 s of it stalled: with every copy hidden for free, 1 / 0.8 = 1.25x
+    assert prefetch_figures(_prefetch_row("a", 0.2, 0, 0, 5)) == {"stall_ms_per_token": pytest.approx(20.0),
+                                                                  "stall_free_bound": pytest.approx(1.25)}
     figures = prefetch_figures(_prefetch_row("p", 0.05, 8, 6, 2))
     assert figures == {"stall_ms_per_token": pytest.approx(5.0), "prefetch_precision": pytest.approx(0.75),
-                       "prefetch_recall": pytest.approx(0.75)}
+                       "prefetch_recall": pytest.approx(0.75), "stall_free_bound": pytest.approx(1 / 0.95)}
+    assert "stall_free_bound" not in prefetch_figures(_prefetch_row("n", 0.0, 0, 0, 0))  # nothing stalled
+    prefill = {**_prefetch_row("a", 0.2, 0, 0, 5), "prefill_h2d_stall_seconds": 0.3}  # the prefill's stall counts
+    assert prefetch_figures(prefill)["stall_free_bound"] == pytest.approx(2.0)
     both = mean_stats([_prefetch_row("p", 0.05, 8, 6, 2), _prefetch_row("p", 0.15, 2, 0, 8)])
     assert both["prefetch_issued"] == 10 and both["h2d_stall_seconds"] == pytest.approx(0.2)
     assert both["prefetch_precision"] == pytest.approx(0.6) and both["prefetch_recall"] == pytest.approx(6 / 16)
-    assert both["stall_ms_per_token"] == pytest.approx(10.0)
+    assert both["stall_ms_per_token"] == pytest.approx(10.0) and both["stall_free_bound"] == pytest.approx(2 / 1.8)
     table = comparison_table([_prefetch_row("ar", 0.2, 0, 0, 5), _prefetch_row("ar_prefetch", 0.05, 8, 6, 2)])
     header, _, ar, pf = table.splitlines()
     assert "stall ms/tok" in header and "pf prec" in header and "pf recall" in header
@@ -211,3 +216,13 @@ def test_bench_prints_the_paired_ratio_per_workload_and_for_all_workloads(tmp_pa
     assert overall[0]["speedup_paired"] == pytest.approx(1.0)
     low, mid, high = (overall[1][k] for k in ("speedup_ci95_low", "speedup_paired", "speedup_ci95_high"))
     assert low <= mid <= high
+
+
+def test_bench_says_what_prefetch_could_give_each_method_run_without_it():
+    from specfit.commands.bench import stall_free_line
+    from specfit.results import mean_stats
+
+    summary = [{**mean_stats([_prefetch_row("ar", 0.2, 0, 0, 5)]), "prefetch": "none"},
+               {**mean_stats([_prefetch_row("ar_prefetch", 0.05, 8, 6, 2)]), "prefetch": "auto"}]
+    assert stall_free_line(summary) == "the most prefetch could speed up (every copy hidden, at no host cost): ar 1.25x"
+    assert stall_free_line(summary[1:]) == ""

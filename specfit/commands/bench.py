@@ -163,6 +163,15 @@ def _completed(path: Path, configs: dict[str, DictConfig]) -> dict[tuple[str, st
 _JOB_KEYS = ("resume", "methods", "workloads", "repeats", "method_presets", "baseline")
 
 
+def stall_free_line(summary: list[dict[str, Any]]) -> str:
+    """What prefetch could give each method run without it: its speed with every copy hidden at no
+    host cost (its stall removed), as a multiple of its own speed. On a host whose compute is slow
+    against the link, the stall is a small share of the time and no prefetcher can do much."""
+    bounds = [f"{r['method']} {r['stall_free_bound']:.2f}x" for r in summary
+              if r.get("prefetch", "none") == "none" and "stall_free_bound" in r]
+    return ("the most prefetch could speed up (every copy hidden, at no host cost): " + ", ".join(bounds)) if bounds else ""
+
+
 def _baseline(cfg: DictConfig, methods: dict[str, Any]) -> str:
     """The method paired ratios are taken over: ``baseline`` when it ran, else the first one (as
     :func:`specfit.results.comparison_table` picks its row)."""
@@ -297,6 +306,8 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
             if any(r.get("prefetch_issued") for r in summary):
                 print("prefetch: pf prec = prefetched experts used / prefetched; pf recall = prefetched experts "
                       "used / (those + misses); stall ms/tok = time compute waited on copies per output token")
+                if stall_free_line(summary):
+                    print(stall_free_line(summary))
             if answers_dir is not None:
                 _write_answers(answers_dir, answers, rows[-total:], engines)
     except KeyboardInterrupt:
@@ -310,6 +321,8 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
         summaries += overall
         print(f"\nall workloads together ({', '.join(str(w) for w in workloads)}):")
         print(comparison_table(overall, baseline=base))
+        if any(r.get("prefetch_issued") for r in overall) and stall_free_line(overall):
+            print(stall_free_line(overall))
     append_jsonl(output_dir / "summary.jsonl", summaries)
     if any(r.get("h2d_emulated") for r in summaries):
         print("H2D times are EMULATED (cache.copy=emulated): each copy is charged the reference link's time.")
