@@ -182,6 +182,8 @@ def ttt_unroll(head: Any, features: Any, input_ids: Any, steps: int) -> list[Any
     """
     import torch
 
+    if head.cfg.num_hidden_layers != 1:
+        raise ValueError(f"the TTT unroll follows one-layer heads; this head has {head.cfg.num_hidden_layers} layers")
     n = input_ids.shape[1] - 1
     steps = min(steps, n)
     hidden = head.project(features)
@@ -219,6 +221,8 @@ def _qkv(head: Any, hidden: Any, tokens: Any, positions: Any) -> tuple[Any, Any,
     q = attn.q_proj(x).view(b, m, attn.kv_heads, rep, attn.head_dim).permute(0, 2, 3, 1, 4)
     k = attn.k_proj(x).view(b, m, attn.kv_heads, 1, attn.head_dim).permute(0, 2, 3, 1, 4)
     v = attn.v_proj(x).view(b, m, attn.kv_heads, 1, attn.head_dim).permute(0, 2, 3, 1, 4)
+    if hasattr(attn, "q_norm"):  # qk_norm: each head's query and key normalised before rotary
+        q, k = attn.q_norm(q), attn.k_norm(k)
     cos, sin = head.rotary(x, positions[None].expand(b, -1))
     cos, sin = cos[:, None, None], sin[:, None, None]  # [B, 1, 1, m, hd]
     return _rope(q, cos, sin), _rope(k, cos, sin), v
@@ -253,11 +257,14 @@ def _ttt_attention(q: Any, k0: Any, v0: Any, diag: list[tuple[Any, Any]]) -> Any
 
 
 def _finish_layer(head: Any, hidden: Any, attn_out: Any) -> Any:
-    """o_proj + residual + MLP, as in :meth:`Eagle3Head.forward`."""
+    """o_proj + residual + MLP, as in :meth:`Eagle3Head.forward` (its ``norm_before_residual`` and
+    ``feed_normed`` too: the output is what the next step reads)."""
     layer = head.midlayer
     b, kv, rep, m, hd = attn_out.shape
-    h = hidden + layer.self_attn.o_proj(attn_out.permute(0, 3, 1, 2, 4).reshape(b, m, kv * rep * hd))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    residual = layer.hidden_norm(hidden) if head.cfg.norm_before_residual else hidden
+    h = residual + layer.self_attn.o_proj(attn_out.permute(0, 3, 1, 2, 4).reshape(b, m, kv * rep * hd))
+    h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return head.norm(h) if head.cfg.feed_normed else h
 
 
 @dataclass

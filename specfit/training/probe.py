@@ -127,6 +127,9 @@ def fit_probe(cfg: FitProbeConfig) -> Path:
     device_arg(cfg.device, key="device")
     check_model_context(cfg.target_dir, cfg.seq_len, key="target_dir")
     head = load_head(cfg.head_dir, key="head_dir")  # its problems before the target loads
+    if head.cfg.num_hidden_layers != 1:  # the unroll that gives the states follows one-layer heads
+        raise ConfigError(f"head_dir={cfg.head_dir}: fit-probe unrolls one-layer EAGLE-3 heads; this one has "
+                          f"{head.cfg.num_hidden_layers} layers")
     check_writable(Path(cfg.head_dir).expanduser() / PROBE_FILE, "head_dir")
     _set_threads(cfg.threads)
     model = load_frozen_target(cfg.target_dir, cfg.target_dtype, cfg.device)

@@ -106,12 +106,17 @@ def test_draft_vocab_keeps_the_most_frequent_tokens_and_the_special_ones():
 # ------------------------------------------------------------------------------ the TTT unroll
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_ttt_unroll_equals_what_the_drafter_computes_along_a_chain(arch):
+@pytest.mark.parametrize("arch,flag", [(arch, None) for arch in ARCHITECTURES]
+                         + [(ARCHITECTURES[0], flag) for flag in ("qk_norm", "norm_before_residual", "feed_normed")])
+def test_ttt_unroll_equals_what_the_drafter_computes_along_a_chain(arch, flag):
     """Step i at position t == the drafter's depth-(i+1) pair after committing x[0..t]:
-    KV cache of the committed pairs, position committed-1+i, mask = committed + ancestors + self."""
+    KV cache of the committed pairs, position committed-1+i, mask = committed + ancestors + self.
+    Also for the layouts of other trainers' heads (speculators': feed_normed, norm_before_residual;
+    Qwen3-style qk_norm), whose states fit-probe learns from."""
     model = tiny_model(arch)
     cfg = head_config_for(model)
+    if flag is not None:
+        setattr(cfg, flag, True)
     head = random_head(cfg, seed=1, std=0.1)
     head.set_target_embedding(model.get_input_embeddings())
     length, steps = 14, 4
@@ -390,3 +395,18 @@ def test_fit_probe_names_a_missing_target_or_head_by_its_key(patterned, tmp_path
                                  seq_len=32))
     with pytest.raises(ModelError, match=f"head_dir={tmp_path}: no config.json"):
         fit_probe(FitProbeConfig(target_dir=str(patterned["target"]), head_dir=str(tmp_path), train_files=rows, seq_len=32))
+
+
+def test_fit_probe_refuses_a_head_of_more_layers_than_its_unroll_follows(patterned, trained_head, tmp_path):
+    from specfit.errors import ConfigError
+    from specfit.plugins.drafters.eagle3.checkpoint import save_head
+    from specfit.training.probe import FitProbeConfig, fit_probe
+
+    cfg = load_head(trained_head).cfg
+    cfg.num_hidden_layers = 2
+    save_head(random_head(cfg), tmp_path / "deep")
+    np.save(tmp_path / "rows.npy", _chains(patterned["next"], 4, 33, seed=1))
+    with pytest.raises(ConfigError, match=f"head_dir={tmp_path / 'deep'}: fit-probe unrolls one-layer EAGLE-3 heads; "
+                                          "this one has 2 layers"):
+        fit_probe(FitProbeConfig(target_dir=str(patterned["target"]), head_dir=str(tmp_path / "deep"),
+                                 train_files=[str(tmp_path / "rows.npy")], seq_len=32))
