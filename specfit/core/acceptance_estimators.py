@@ -235,8 +235,8 @@ def note_state_file_setup(selector: Any, here: dict[str, Any] | None) -> None:
     from specfit.files import read_json_object
 
     source = getattr(getattr(selector, "estimator", None), "state_file", "auto")
-    if here is None or source == "auto" or not isinstance(source, str):
-        return
+    if here is None or source == "auto" or not isinstance(source, str) or not Path(source).expanduser().is_file():
+        return  # a missing file or a directory: the estimator's own load names it, with its hint
     stored = read_json_object(Path(source).expanduser(), f"acceptance.state_file={source}", ConfigError).get("setup")
     if not isinstance(stored, dict):
         return  # fitted on a trace that did not record its setup (before 2026-12-07): nothing to compare

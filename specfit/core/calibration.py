@@ -223,8 +223,17 @@ def acceptance_setup(engine: Any) -> dict[str, Any]:
     A trace records it; ``specfit fit-acceptance`` copies it into the model it writes, so an engine
     loading that model on another setup says so."""
     fingerprint = setup_fingerprint(engine)
-    drafter = {k: v for k, v in fingerprint["drafter"].items() if k not in ("depth", "total_tokens", "top_k")}
-    return json.loads(json.dumps({"model": fingerprint["model"], "drafter": drafter}, default=str))
+    drafter = {k: _resolved(v) if k in ("head", "model_head") else v for k, v in fingerprint["drafter"].items()
+               if k not in ("depth", "total_tokens", "top_k")}
+    return json.loads(json.dumps({"model": _resolved(fingerprint["model"]), "drafter": drafter}, default=str))
+
+
+def _resolved(name: Any) -> Any:
+    """A path as an absolute one (``runs/t`` and ``/work/runs/t`` are one model); names that are not
+    paths on this machine (``builtin:demo``, ``random``, another machine's path) as they are."""
+    if isinstance(name, str) and name and Path(name).expanduser().exists():
+        return str(Path(name).expanduser().resolve())
+    return name
 
 
 def head_weights_digest(directory: str | None, skip: Sequence[str] = ()) -> str | None:

@@ -23,7 +23,10 @@ def export_demo(target_dir: str | Path, head_dir: str | Path, out_dir: str | Pat
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specfit.plugins.drafters.eagle3.checkpoint import load_head, save_head
+    from specfit.plugins.drafters.eagle3.probe import PROBE_FILE, load_probe, restamp_probe
 
+    head = load_head(head_dir)
+    load_probe(head_dir, head.cfg.hidden_size)  # a probe fit on other weights is named, never re-stamped as this head's
     out = Path(out_dir)
     target_out, head_out = out / "target", out / "eagle3"
     for d in (target_out, head_out):
@@ -33,9 +36,7 @@ def export_demo(target_dir: str | Path, head_dir: str | Path, out_dir: str | Pat
     model.config.output_router_logits = False
     model.to(torch.bfloat16).save_pretrained(target_out, safe_serialization=True)
     AutoTokenizer.from_pretrained(target_dir).save_pretrained(target_out)
-    save_head(load_head(head_dir), head_out, dtype=torch.bfloat16)
-    from specfit.plugins.drafters.eagle3.probe import PROBE_FILE, restamp_probe
-
+    save_head(head, head_out, dtype=torch.bfloat16)
     for extra in ("draft_vocab.json", PROBE_FILE):  # the probe: fit on this head (specfit fit-probe)
         if (Path(head_dir) / extra).is_file():
             shutil.copy(Path(head_dir) / extra, head_out / extra)

@@ -286,5 +286,10 @@ def test_a_probe_beside_other_weights_than_it_was_fit_on_is_refused(tmp_path):
     with pytest.raises(ModelError, match=f"{PROBE_FILE}: was fit on other weights than .*refit it"):
         Eagle3Drafter(path=str(copy))
     assert Eagle3Drafter(path=str(copy), acceptance_probe=False).probe is None  # the head alone still loads
+    from specfit.training.export import export_demo
+
+    with pytest.raises(ModelError, match=f"{PROBE_FILE}: was fit on other weights"):  # not shipped re-stamped
+        export_demo(tmp_path / "no-target", copy, tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # refused before anything was written
     restamp_probe(copy)  # what export does for the same head re-encoded
     assert Eagle3Drafter(path=str(copy)).probe is not None

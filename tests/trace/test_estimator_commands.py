@@ -136,6 +136,10 @@ def test_a_fitted_model_records_its_setup_and_another_setup_loading_it_says_so(t
     capsys.readouterr()
     main([*replay, f"trace.path={trace_dir}", f"hydra.run.dir={tmp_path / 'same'}"])
     assert "fitted on a trace of another setup" not in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # the out_dir for the file: the estimator's own hint, not a read error
+        main([*replay[:2], "acceptance=learned", f"acceptance.state_file={out}", *replay[4:], f"trace.path={trace_dir}",
+              f"hydra.run.dir={tmp_path / 'dir'}"])
+    assert info.value.code == 2 and "is a directory, not a file (fit-acceptance writes learned.json" in capsys.readouterr().err
 
     other = tmp_path / "mixtral"
     main(["record", "model=tiny-mixtral", "drafter.top_k=3", "drafter.depth=2", "drafter.total_tokens=4", "~cost_model",
