@@ -236,6 +236,26 @@ def _resolved(name: Any) -> Any:
     return name
 
 
+# what a drafter's section of the fingerprint holds that its costs do not depend on: the head's
+# weight values (a head retrained in place costs the same) and whether its acceptance probe is used
+ACCEPTANCE_ONLY = ("weights", "acceptance_probe")
+
+
+def cost_fingerprint(engine: Any) -> dict[str, Any]:
+    """What the cost constants depend on: :func:`setup_fingerprint` less what only acceptance
+    depends on (:data:`ACCEPTANCE_ONLY`). Fitting or retraining a head, or a probe, then keeps its
+    calibration (measured for minutes); the gate's and the estimator's state, which
+    :func:`setup_fingerprint` keys, start again."""
+    fingerprint = setup_fingerprint(engine)
+    fingerprint["drafter"] = {k: v for k, v in fingerprint["drafter"].items() if k not in ACCEPTANCE_ONLY}
+    return fingerprint
+
+
+def setup_hash(fingerprint: dict[str, Any]) -> str:
+    """16 hex digits naming a fingerprint's files under :func:`calibration_dir`."""
+    return hashlib.sha1(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def head_weights_digest(directory: str | None, skip: Sequence[str] = ()) -> str | None:
     """A short digest of a head directory's weight files (but the names in ``skip``), or None (no
     directory, no weights).
@@ -307,20 +327,21 @@ def setup_differences(path: str | Path, engine: Any) -> list[str]:
     stored = read_json_object(Path(path).expanduser(), f"cost_model.calibration={path}", ConfigError).get("setup")
     if not isinstance(stored, dict):
         return []
-    here = json.loads(json.dumps(setup_fingerprint(engine), default=str))
+    here = json.loads(json.dumps(cost_fingerprint(engine), default=str))
+    if isinstance(stored.get("drafter"), dict):  # a file stored before the split kept them
+        stored = {**stored, "drafter": {k: v for k, v in stored["drafter"].items() if k not in ACCEPTANCE_ONLY}}
     return [key for key in sorted(set(stored) | set(here)) if stored.get(key) != here.get(key)]
 
 
 def calibration_path(engine: Any) -> Path:
-    fingerprint = json.dumps(setup_fingerprint(engine), sort_keys=True, default=str)
-    return calibration_dir() / f"{hashlib.sha1(fingerprint.encode()).hexdigest()[:16]}.json"
+    return calibration_dir() / f"{setup_hash(cost_fingerprint(engine))}.json"
 
 
 def save_constants(path: Path, constants: CostConstants, engine: Any, report: dict[str, Any]) -> Path:
     """Store a calibration atomically: a run killed while saving leaves the old file or none."""
     from specfit.files import write_atomic
 
-    data = {"constants": constants.to_json(), "setup": setup_fingerprint(engine), "report": report,
+    data = {"constants": constants.to_json(), "setup": cost_fingerprint(engine), "report": report,
             "fit_version": FIT_VERSION}
     return write_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 

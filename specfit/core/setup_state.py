@@ -3,8 +3,9 @@
 A draft gate that must first find out whether drafting pays loses on short outputs: every new
 engine pays the cycles it needs to learn. So the gate's decayed statistics and the acceptance
 estimator's state (:meth:`AcceptanceEstimator.state`) are stored beside the calibration, in the
-same folder under the same setup hash (``<hash>.selector.json`` next to ``<hash>.json``), and a
-new engine built by :func:`specfit.build` loads them.
+same folder (``<hash>.selector.json``), and a new engine built by :func:`specfit.build` loads them.
+The hash is of the whole setup (:func:`specfit.core.calibration.setup_fingerprint`); the
+calibration's leaves out the head's weight values and its probe's use, which costs do not depend on.
 
 The file holds sections, so selectors and estimators of one setup share it without overwriting
 each other::
@@ -31,15 +32,15 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from specfit.core.calibration import calibration_path
+from specfit.core.calibration import calibration_dir, setup_fingerprint, setup_hash
 
 SAVE_INTERVAL = 2.0  # the least seconds between two saves (each at the end of a decode)
 
 
 def state_path(engine: Any) -> Path:
-    """``<calibration dir>/<setup hash>.selector.json``: the calibration's file name, another suffix."""
-    path = calibration_path(engine)
-    return path.with_name(f"{path.stem}.selector.json")
+    """``<calibration dir>/<setup hash>.selector.json``, the hash of the whole setup: a head or probe
+    retrained in place keeps its calibration but not what the gate and estimator learned of the old one."""
+    return calibration_dir() / f"{setup_hash(setup_fingerprint(engine))}.selector.json"
 
 
 class StateKeeper:

@@ -293,3 +293,26 @@ def test_a_probe_beside_other_weights_than_it_was_fit_on_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()  # refused before anything was written
     restamp_probe(copy)  # what export does for the same head re-encoded
     assert Eagle3Drafter(path=str(copy)).probe is not None
+
+
+def test_fitting_a_probe_keeps_the_calibration_and_starts_the_learned_state_again(tmp_path, monkeypatch):
+    """Costs do not depend on the head's weight values or its probe; what the gate and estimator
+    learned does: the calibration's file stays, the state's file is another."""
+    from specfit.core.calibration import calibration_path, cost_fingerprint
+    from specfit.core.setup_state import state_path
+
+    monkeypatch.setenv("SPECFIT_HOME", str(tmp_path / "home"))
+    head_dir, _ = _head_dir(tmp_path)
+
+    def paths(**kw) -> tuple:
+        engine = Engine(tiny_model(), drafter=Eagle3Drafter(path=str(head_dir), **kw), device="cpu")
+        return calibration_path(engine), state_path(engine), cost_fingerprint(engine)["drafter"]
+
+    with_probe, unused = paths(), paths(acceptance_probe=False)
+    moved = tmp_path / "probe.safetensors"
+    (head_dir / PROBE_FILE).rename(moved)
+    without = paths()
+    assert with_probe[0] == unused[0] == without[0]  # one calibration
+    assert len({with_probe[1], unused[1], without[1]}) == 3  # three learned states
+    assert "weights" not in with_probe[2] and "acceptance_probe" not in unused[2]
+    assert with_probe[1].name.endswith(".selector.json") and with_probe[1].parent == with_probe[0].parent
