@@ -156,7 +156,7 @@ class Cycle:
         levels = verifier.levels(tree) if should_draft(selector) else iter(())
         for level in levels:
             t_pred = verifier.now()
-            if predictor is not None:
+            if predictor is not None and self._predictions_needed(tree):
                 guard.call("predictor", predictor, "predict", tree, level)
                 guard.check_predicted_experts(predictor, tree, level, spec.num_layers, spec.top_k, spec.num_experts)
             t_sel = verifier.now()
@@ -168,8 +168,9 @@ class Cycle:
                 max_depth=depth_limit,
                 max_nodes=max_nodes,
                 cost_model=self.cost_model,
-                # copies in flight between passes come only from a prefetcher: without one, today's context
-                arriving=arriving(verifier) if self.prefetcher is not None else None,
+                # copies in flight between passes come only from a prefetcher: without one, today's context;
+                # the cost model prices them (a selector without one, EAGLE's, reads none)
+                arriving=arriving(verifier) if self.prefetcher is not None and self.cost_model is not None else None,
                 extra=verifier.extra,
             )
             selection = guard.check_selection(selector, tree, guard.call("selector", selector, "select", tree, ctx))
@@ -244,6 +245,16 @@ class Cycle:
             self.context.extend(tokens)
         return record, tokens
 
+    def _predictions_needed(self, tree: DraftTree) -> bool:
+        """Predict this level's experts unless nothing reads them: a selector that prices levels
+        with them always does; otherwise only a prefetcher does, while it says so (with no
+        prefetcher they still serve the run's predictor recall)."""
+        if self.prefetcher is None or selector_reads_predictions(self.selector) \
+                or getattr(self.prefetcher, "needs_predictions", None) is None:  # optional: a plug-in without it needs them
+            return True
+        return guard.check_flag("prefetch", self.prefetcher, "needs_predictions",
+                                self.sink.call("needs_predictions", tree), "the answer")
+
     def _truncate(self, tokens: list[int], max_commit: int | None) -> list[int]:
         """At most ``max_commit`` tokens, ending at the first stop token."""
         if max_commit is not None:
@@ -282,6 +293,11 @@ def arriving(verifier: Any) -> np.ndarray | None:
     model; None when the verifier cannot tell."""
     fn = getattr(verifier, "arriving", None)
     return fn() if fn is not None else None
+
+
+def selector_reads_predictions(selector: Any) -> bool:
+    """A cost-aware selector (``requires`` a predictor) prices every level with the predictions."""
+    return "predictor" in getattr(selector, "requires", ())
 
 
 def should_draft(selector: Any) -> bool:

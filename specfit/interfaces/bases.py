@@ -195,3 +195,7 @@ class PrefetcherBase(ABC):
 
     def after_level(self, tree: DraftTree, predicted: Sequence[int], resident: np.ndarray) -> None:
         pass
+
+    def needs_predictions(self, tree: DraftTree) -> bool:
+        """Whether the rest of this cycle's levels need expert predictions for this prefetcher."""
+        return True

@@ -299,7 +299,10 @@ class Prefetcher(Protocol):
     PluginError naming the prefetcher), from ``after_level`` during drafting or from hooks it sets
     on the target's layers in ``bind`` (live runs only). The cache policy decides what is admitted
     (``ExpertCache.admit_prefetch``); a prefetch never changes the output. Optional (defaults in
-    ``PrefetcherBase``): ``bind`` (keeps the sink), ``after_level`` (nothing).
+    ``PrefetcherBase``): ``bind`` (keeps the sink), ``after_level`` (nothing),
+    ``needs_predictions(tree) -> bool`` (True): whether the rest of this cycle's draft levels need
+    expert predictions for it. Where the selector reads none (``eagle3``), a prefetcher that says
+    False spares the predictor the cycle's remaining levels (EAGLE-3's trees: hundreds of nodes).
     """
 
     name: ClassVar[str]

@@ -498,6 +498,67 @@ def test_draft_prefetch_plans_nothing_for_the_rest_of_a_cycle_once_every_layer_o
     assert pf.plan(two_level_tree(), [0], resident) != []  # a new cycle (its first level) plans again
 
 
+def test_draft_prefetch_stops_asking_for_predictions_in_a_cycle_it_plans_nothing_more_for():
+    resident = np.zeros((3, 8), dtype=bool)
+    pf = DraftPrefetcher(min_benefit=0.05)
+    pf.bind(None, FakeSink(expert_s=0.0, layer_s=2.0, slots=3))
+    tree = two_level_tree()
+    assert pf.needs_predictions(tree)
+    pf.plan(tree, [0], resident)  # overflows every layer
+    assert not pf.needs_predictions(tree) and pf.needs_predictions(two_level_tree())  # the next cycle's tree
+    auto = AutoPrefetcher()
+    auto.draft = pf
+    assert not auto.needs_predictions(tree)
+
+
+class CountingPredictor(HistoryPredictor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.levels = 0
+
+    def predict(self, tree, level) -> None:
+        self.levels += 1
+        super().predict(tree, level)
+
+
+class Saturated(PrefetcherBase):
+    """Wants the first level's predictions of each cycle only."""
+
+    name = "saturated"
+
+    def __init__(self, answer=False) -> None:
+        self.answer = answer
+
+    def needs_predictions(self, tree) -> bool:
+        return tree.depth <= 1 or self.answer
+
+
+@pytest.mark.parametrize("method", ["eagle3", "specfit"])
+def test_levels_are_predicted_only_while_a_selector_or_the_prefetcher_reads_them(method):
+    """EAGLE's selector reads no predictions: once the prefetcher says it needs none, the cycle's
+    deeper levels are not predicted (the output is the same); SpecFit prices every level with them."""
+    runs = {}
+    for prefetcher in (None, Saturated()):
+        parts = method_parts(method)
+        predictor = parts["predictor"] = CountingPredictor()
+        engine = Engine(tiny_model(), cache=LRUCache(capacity=3), prefetcher=prefetcher, device="cpu", **parts)
+        out = engine.generate(PROMPT, max_new_tokens=N)
+        runs[prefetcher is None] = (out.token_ids, predictor.levels, sum(c.levels > 0 for c in out.cycles))
+    (plain, levels, drafted), (saved, fewer, _) = runs[True], runs[False]
+    assert saved == plain == reference()[len(PROMPT):]
+    if method == "eagle3":
+        assert fewer == drafted < levels  # one level a drafted cycle
+    else:
+        assert fewer == levels
+
+
+def test_a_needs_predictions_answer_that_is_not_a_bool_is_named():
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=3), prefetcher=Saturated(answer="yes"), device="cpu",
+                    **method_parts("eagle3"))
+    with pytest.raises(PluginError, match=r"^prefetch 'saturated' \(needs_predictions\):? .*must be a bool"):
+        engine.generate(PROMPT, max_new_tokens=N)
+
+
 # --------------------------------------------------------------------------- replay
 
 

@@ -45,3 +45,6 @@ class AutoPrefetcher(PrefetcherBase):
 
     def after_level(self, tree: DraftTree, predicted: Sequence[int], resident: np.ndarray) -> None:
         self.draft.after_level(tree, predicted, resident)
+
+    def needs_predictions(self, tree: DraftTree) -> bool:
+        return self.draft.needs_predictions(tree)  # the look-ahead reads hidden states, not predictions

@@ -82,6 +82,12 @@ class DraftPrefetcher(PrefetcherBase):
             # for these copies (its least recent slot may hold one)
             self.sink.prefetch(layer, experts, keep=useful[layer])
 
+    def needs_predictions(self, tree: DraftTree) -> bool:
+        """Not once this cycle's pass is expected to overflow every layer's slots: nothing more is
+        planned for it (measured, EAGLE-3 + prefetch on the demo pair: predicting its ~60-node levels
+        for plans that copy nothing made it slower than EAGLE-3 without prefetch)."""
+        return not (self._saturated and id(tree) == self._tree_id)
+
     def plan(self, tree: DraftTree, predicted: Sequence[int], resident: np.ndarray) -> list[tuple[int, list[int]]]:
         """[(layer, experts most beneficial first)], layers ascending, within the link's budget."""
         return self._plan(tree, predicted, resident)[0]
