@@ -10,8 +10,8 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from specfit.core.calibration import (
-    FIT_VERSION, POOR_FIT, acceptance_setup, calibration_path, check_calibration_destination, load_constants, run_calibration,
-    save_constants, setup_differences, stored_fit_version, stored_poor_fit,
+    FIT_VERSION, POOR_FIT, acceptance_setup, calibration_path, check_calibration_destination, load_constants,
+    run_calibration, save_constants, setup_differences, stored_fit_version, stored_poor_fit,
 )
 from specfit.core.acceptance_estimators import attach_acceptance, note_state_file_setup
 from specfit.core.copy_engines import LinkSettings

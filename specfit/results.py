@@ -236,8 +236,8 @@ def mean_stats(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out["output_throughput"] = tokens / seconds if seconds else 0.0
     totals = ("expert_cache_hits", "expert_cache_misses", "h2d_bytes", "h2d_seconds", "num_output_tokens", "total_seconds",
               "draft_seconds", "select_seconds", "verify_compute_seconds", "cycles", "draft_tokens", "verified_nodes",
-              "accepted_tokens", "h2d_stall_seconds", "prefill_h2d_stall_seconds", "link_busy_seconds", "prefetch_issued", "prefetch_used",
-              "prefetch_wasted", "verify_seconds")
+              "accepted_tokens", "h2d_stall_seconds", "prefill_h2d_stall_seconds", "link_busy_seconds", "prefetch_issued",
+              "prefetch_used", "prefetch_wasted", "verify_seconds")
     for key in totals:
         if key in out:
             out[key] = sum(r[key] for r in runs)

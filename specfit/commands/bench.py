@@ -169,7 +169,9 @@ def stall_free_line(summary: list[dict[str, Any]]) -> str:
     against the link, the stall is a small share of the time and no prefetcher can do much."""
     bounds = [f"{r['method']} {r['stall_free_bound']:.2f}x" for r in summary
               if r.get("prefetch", "none") == "none" and "stall_free_bound" in r]
-    return ("the most prefetch could speed up (every copy hidden, at no host cost): " + ", ".join(bounds)) if bounds else ""
+    if not bounds:
+        return ""
+    return "the most prefetch could speed up (every copy hidden, at no host cost): " + ", ".join(bounds)
 
 
 def _baseline(cfg: DictConfig, methods: dict[str, Any]) -> str:

@@ -242,6 +242,6 @@ def note_state_file_setup(selector: Any, here: dict[str, Any] | None) -> None:
         return  # fitted on a trace that did not record its setup (before 2026-12-07): nothing to compare
     differs = [key for key in sorted(set(stored) | set(here)) if stored.get(key) != here.get(key)]
     if differs:
+        verb = "differ" if len(differs) > 1 else "differs"
         note_once(f"acceptance.state_file={source} was fitted on a trace of another setup (its "
-                  f"{' and '.join(differs)} {'differ' if len(differs) > 1 else 'differs'} from this run's); its model is used "
-                  f"as given")
+                  f"{' and '.join(differs)} {verb} from this run's); its model is used as given")

@@ -250,7 +250,7 @@ class Cycle:
         with them always does; otherwise only a prefetcher does, while it says so (with no
         prefetcher they still serve the run's predictor recall)."""
         if self.prefetcher is None or selector_reads_predictions(self.selector) \
-                or getattr(self.prefetcher, "needs_predictions", None) is None:  # optional: a plug-in without it needs them
+                or getattr(self.prefetcher, "needs_predictions", None) is None:  # optional: without it, needed
             return True
         return guard.check_flag("prefetch", self.prefetcher, "needs_predictions",
                                 self.sink.call("needs_predictions", tree), "the answer")
