@@ -222,7 +222,8 @@ def test_bench_says_what_prefetch_could_give_each_method_run_without_it():
     from specfit.commands.bench import stall_free_line
     from specfit.results import mean_stats
 
-    summary = [{**mean_stats([_prefetch_row("ar", 0.2, 0, 0, 5)]), "prefetch": "none"},
-               {**mean_stats([_prefetch_row("ar_prefetch", 0.05, 8, 6, 2)]), "prefetch": "auto"}]
+    summary = [{**mean_stats([_prefetch_row("ar", 0.2, 0, 0, 5)]), "prefetch": "none", "cache": "lru"},
+               {**mean_stats([_prefetch_row("ar_prefetch", 0.05, 8, 6, 2)]), "prefetch": "auto", "cache": "lru"},
+               {**mean_stats([_prefetch_row("ar_nocache", 0.5, 0, 0, 9)]), "prefetch": "none", "cache": "none"}]
     assert stall_free_line(summary) == "the most prefetch could speed up (every copy hidden, at no host cost): ar 1.25x"
-    assert stall_free_line(summary[1:]) == ""
+    assert stall_free_line(summary[1:]) == ""  # with prefetch already, or with a cache that cannot prefetch

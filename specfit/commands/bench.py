@@ -167,8 +167,8 @@ def stall_free_line(summary: list[dict[str, Any]]) -> str:
     """What prefetch could give each method run without it: its speed with every copy hidden at no
     host cost (its stall removed), as a multiple of its own speed. On a host whose compute is slow
     against the link, the stall is a small share of the time and no prefetcher can do much."""
-    bounds = [f"{r['method']} {r['stall_free_bound']:.2f}x" for r in summary
-              if r.get("prefetch", "none") == "none" and "stall_free_bound" in r]
+    bounds = [f"{r['method']} {r['stall_free_bound']:.2f}x" for r in summary  # cache=none cannot prefetch
+              if r.get("prefetch", "none") == "none" and r.get("cache") != "none" and "stall_free_bound" in r]
     if not bounds:
         return ""
     return "the most prefetch could speed up (every copy hidden, at no host cost): " + ", ".join(bounds)
