@@ -308,8 +308,9 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
             if any(r.get("prefetch_issued") for r in summary):
                 print("prefetch: pf prec = prefetched experts used / prefetched; pf recall = prefetched experts "
                       "used / (those + misses); stall ms/tok = time compute waited on copies per output token")
-            if stall_free_line(summary):  # where a run without prefetch stalled: could prefetch help?
-                print(stall_free_line(summary))
+            bound = stall_free_line(summary)  # where a run without prefetch stalled: could prefetch help?
+            if bound:
+                print(bound)
             if answers_dir is not None:
                 _write_answers(answers_dir, answers, rows[-total:], engines)
     except KeyboardInterrupt:
@@ -323,8 +324,9 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
         summaries += overall
         print(f"\nall workloads together ({', '.join(str(w) for w in workloads)}):")
         print(comparison_table(overall, baseline=base))
-        if stall_free_line(overall):
-            print(stall_free_line(overall))
+        bound = stall_free_line(overall)
+        if bound:
+            print(bound)
     append_jsonl(output_dir / "summary.jsonl", summaries)
     if any(r.get("h2d_emulated") for r in summaries):
         print("H2D times are EMULATED (cache.copy=emulated): each copy is charged the reference link's time.")

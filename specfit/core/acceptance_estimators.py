@@ -232,6 +232,7 @@ def note_state_file_setup(selector: Any, here: dict[str, Any] | None) -> None:
     from pathlib import Path
 
     from specfit.config_messages import note_once
+    from specfit.core.calibration import differing_keys
     from specfit.files import read_json_object
 
     source = getattr(getattr(selector, "estimator", None), "state_file", "auto")
@@ -240,7 +241,7 @@ def note_state_file_setup(selector: Any, here: dict[str, Any] | None) -> None:
     stored = read_json_object(Path(source).expanduser(), f"acceptance.state_file={source}", ConfigError).get("setup")
     if not isinstance(stored, dict):
         return  # fitted on a trace that did not record its setup (before 2026-12-07): nothing to compare
-    differs = [key for key in sorted(set(stored) | set(here)) if stored.get(key) != here.get(key)]
+    differs = differing_keys(stored, here)
     if differs:
         verb = "differ" if len(differs) > 1 else "differs"
         note_once(f"acceptance.state_file={source} was fitted on a trace of another setup (its "

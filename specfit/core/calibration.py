@@ -330,6 +330,11 @@ def setup_differences(path: str | Path, engine: Any) -> list[str]:
     here = json.loads(json.dumps(cost_fingerprint(engine), default=str))
     if isinstance(stored.get("drafter"), dict):  # a file stored before the split kept them
         stored = {**stored, "drafter": {k: v for k, v in stored["drafter"].items() if k not in ACCEPTANCE_ONLY}}
+    return differing_keys(stored, here)
+
+
+def differing_keys(stored: dict[str, Any], here: dict[str, Any]) -> list[str]:
+    """The top-level keys in which two setup descriptions differ (one missing counts), sorted."""
     return [key for key in sorted(set(stored) | set(here)) if stored.get(key) != here.get(key)]
 
 
