@@ -221,7 +221,8 @@ PER_CYCLE = ("spec_decode_acceptance_length", "experts_per_layer_union", "predic
 
 def mean_stats(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Several runs as one: throughput over all tokens and seconds, per-cycle figures weighted by
-    cycles, counts and seconds summed, anything else a plain mean."""
+    cycles, counts and seconds summed (a prefetcher's counts too: integer ``prefetch_*`` keys),
+    anything else a plain mean."""
     out: dict[str, Any] = {}
     cycles = [max(r.get("cycles", 1), 1) for r in runs]
     for key, value in runs[0].items():
@@ -238,9 +239,10 @@ def mean_stats(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
               "draft_seconds", "select_seconds", "verify_compute_seconds", "cycles", "draft_tokens", "verified_nodes",
               "accepted_tokens", "h2d_stall_seconds", "prefill_h2d_stall_seconds", "link_busy_seconds", "prefetch_issued",
               "prefetch_used", "prefetch_wasted", "verify_seconds")
+    totals += tuple(key for key, value in runs[0].items() if key.startswith("prefetch_") and type(value) is int)
     for key in totals:
         if key in out:
-            out[key] = sum(r[key] for r in runs)
+            out[key] = sum(r.get(key, 0) for r in runs)
     hits, misses = out.get("expert_cache_hits", 0), out.get("expert_cache_misses", 0)
     out["expert_cache_hit_rate"] = hits / (hits + misses) if hits + misses else 0.0
     out.update(prefetch_figures(out))

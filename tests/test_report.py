@@ -227,3 +227,17 @@ def test_bench_says_what_prefetch_could_give_each_method_run_without_it():
                {**mean_stats([_prefetch_row("ar_nocache", 0.5, 0, 0, 9)]), "prefetch": "none", "cache": "none"}]
     assert stall_free_line(summary) == "the most prefetch could speed up (every copy hidden, at no host cost): ar 1.25x"
     assert stall_free_line(summary[1:]) == ""  # with prefetch already, or with a cache that cannot prefetch
+
+
+def test_bench_says_where_the_lookahead_gate_paused_it_and_runs_sum_the_counts():
+    from specfit.commands.bench import paused_line
+    from specfit.results import mean_stats
+
+    runs = [{**_prefetch_row("ar_prefetch", 0.05, 8, 6, 2), "prefetch_lookahead_passes": 10,
+             "prefetch_lookahead_paused_passes": 30},
+            {**_prefetch_row("ar_prefetch", 0.05, 8, 6, 2), "prefetch_lookahead_passes": 10,
+             "prefetch_lookahead_paused_passes": 50}]
+    both = mean_stats(runs)
+    assert (both["prefetch_lookahead_passes"], both["prefetch_lookahead_paused_passes"]) == (20, 80)
+    assert paused_line([both, mean_stats([_prefetch_row("ar", 0.2, 0, 0, 5)])]).endswith(": ar_prefetch 80%")
+    assert paused_line([{**both, "prefetch_lookahead_paused_passes": 0}]) == ""

@@ -174,6 +174,25 @@ def stall_free_line(summary: list[dict[str, Any]]) -> str:
     return "the most prefetch could speed up (every copy hidden, at no host cost): " + ", ".join(bounds)
 
 
+def paused_line(summary: list[dict[str, Any]]) -> str:
+    """The share of passes each method's look-ahead was paused by its gate (``prefetch.gate``),
+    which pauses it while its host time is more than the stall it removes."""
+    paused = []
+    for r in summary:
+        ran, off = r.get("prefetch_lookahead_passes", 0), r.get("prefetch_lookahead_paused_passes", 0)
+        if off:
+            paused.append(f"{r['method']} {off / (ran + off):.0%}")
+    if not paused:
+        return ""
+    return ("look-ahead paused, its host time above the stall it removed (prefetch.gate), in this share of passes: "
+            + ", ".join(paused))
+
+
+def prefetch_notes(summary: list[dict[str, Any]]) -> list[str]:
+    """The lines under a table about prefetch: what it could give, where its gate paused it."""
+    return [line for line in (stall_free_line(summary), paused_line(summary)) if line]
+
+
 def _baseline(cfg: DictConfig, methods: dict[str, Any]) -> str:
     """The method paired ratios are taken over: ``baseline`` when it ran, else the first one (as
     :func:`specfit.results.comparison_table` picks its row)."""
@@ -308,9 +327,8 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
             if any(r.get("prefetch_issued") for r in summary):
                 print("prefetch: pf prec = prefetched experts used / prefetched; pf recall = prefetched experts "
                       "used / (those + misses); stall ms/tok = time compute waited on copies per output token")
-            bound = stall_free_line(summary)  # where a run without prefetch stalled: could prefetch help?
-            if bound:
-                print(bound)
+            for line in prefetch_notes(summary):  # could prefetch help? where was it paused?
+                print(line)
             if answers_dir is not None:
                 _write_answers(answers_dir, answers, rows[-total:], engines)
     except KeyboardInterrupt:
@@ -324,9 +342,8 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
         summaries += overall
         print(f"\nall workloads together ({', '.join(str(w) for w in workloads)}):")
         print(comparison_table(overall, baseline=base))
-        bound = stall_free_line(overall)
-        if bound:
-            print(bound)
+        for line in prefetch_notes(overall):
+            print(line)
     append_jsonl(output_dir / "summary.jsonl", summaries)
     if any(r.get("h2d_emulated") for r in summaries):
         print("H2D times are EMULATED (cache.copy=emulated): each copy is charged the reference link's time.")

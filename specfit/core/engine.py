@@ -182,6 +182,7 @@ class Engine:
                       tuple(observers), self.stop_token_ids, self.prefetcher, self.prefetch_sink)
         sampler = Sampler(sampling or self.sampling)
         stats = RunStats(prompt_tokens=len(ids), info=dict(self.info))
+        counted = self._prefetch_counters()
         out: list[int] = []
         with torch.inference_mode():
             start = _now(self.device)
@@ -213,9 +214,20 @@ class Engine:
         decode_ended(selector)  # what the selector learned is saved between decodes, not between tokens
         stats.output_tokens = len(out)
         stats.finish_reason = "stop" if out[-1] in self.stop_token_ids else "length"
+        stats.prefetch_counters = {k: v - counted.get(k, 0) for k, v in self._prefetch_counters().items()}
         text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationOutput(out, text, stats.summary(), prompt_ids=ids, cycles=stats.cycles,
                                 finish_reason=stats.finish_reason)
+
+    def _prefetch_counters(self) -> dict[str, int]:
+        """The prefetcher's ``counters()`` (none without one), checked: names to integers."""
+        if self.prefetch_sink is None or not hasattr(self.prefetcher, "counters"):  # optional
+            return {}
+        counts = self.prefetch_sink.call("counters")
+        if not isinstance(counts, dict) or not all(isinstance(k, str) and type(v) is int for k, v in counts.items()):
+            raise guard.violation("prefetch", self.prefetcher, "counters",
+                                  f"must return a dict of names to ints, got {counts!r:.60}")
+        return counts
 
     def check_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """The prompt's token ids, or a ConfigError when it is not usable (bad ids, no tokenizer for text,

@@ -110,6 +110,10 @@ class PrefetchSink:
         """Link seconds of one expert copy (0.0: unknown)."""
         return 0.0
 
+    def prefetches_used(self) -> int:
+        """Prefetched experts that a pass computed with, so far (every prefetcher's of this run)."""
+        return 0
+
     def capacity(self) -> int:
         """Device slots per layer (a prefetch beyond them evicts what it just copied)."""
         return self.spec.num_experts
@@ -192,6 +196,9 @@ class LiveSink(PrefetchSink):
     def capacity(self) -> int:
         return int(self.runtime.slots_per_layer)
 
+    def prefetches_used(self) -> int:
+        return self.runtime.stats.prefetch_used
+
     def expert_seconds(self) -> float:
         engine = getattr(self.runtime, "copy_engine", None)
         charge = getattr(engine, "charge_seconds", None)
@@ -246,6 +253,9 @@ class ModelledSink(PrefetchSink):
 
     def now(self) -> float:
         return self._now
+
+    def prefetches_used(self) -> int:
+        return self.used
 
     def at(self, seconds: float) -> None:
         self._now = float(seconds)

@@ -68,6 +68,7 @@ class RunStats:
     prefill_cache: CacheStats | None = None  # the prefill pass's copies and stall (part of ttft)
     info: dict[str, Any] = field(default_factory=dict)  # engine description (cache, copy engine, ...)
     finish_reason: str = "length"  # "stop" (a stop token) | "length" (max_new_tokens or the context limit)
+    prefetch_counters: dict[str, int] = field(default_factory=dict)  # the prefetcher's counts, this run's growth
 
     def summary(self) -> dict[str, Any]:
         """:func:`cycle_summary` of the cycles, with the cache's own counts (decode phase) and the
@@ -102,6 +103,7 @@ class RunStats:
             "prefetch_issued": cache.prefetch_issued if cache else 0,
             "prefetch_used": cache.prefetch_used if cache else 0,
             "prefetch_wasted": cache.prefetch_wasted if cache else 0,
+            **{f"prefetch_{name}": count for name, count in self.prefetch_counters.items()},
             "experts_per_layer_union": float(union.mean()) if union.size else 0.0,
             "experts_per_layer_union_by_layer": [round(float(u), 3) for u in union],
             "draft_seconds": sum(c.draft_seconds for c in cycles),

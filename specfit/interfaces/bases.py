@@ -185,8 +185,8 @@ class AcceptanceEstimatorBase(ABC):
 
 class PrefetcherBase(ABC):
     """Nothing required. Defaults: ``bind`` keeps the target and the sink (``self.target``,
-    ``self.sink``), ``after_level`` prefetches nothing. A prefetcher of hidden states sets its
-    hooks in ``bind``; one of draft predictions writes ``after_level``."""
+    ``self.sink``), ``after_level`` prefetches nothing, ``counters`` has none. A prefetcher of
+    hidden states sets its hooks in ``bind``; one of draft predictions writes ``after_level``."""
 
     name: ClassVar[str]
 
@@ -199,3 +199,7 @@ class PrefetcherBase(ABC):
     def needs_predictions(self, tree: DraftTree) -> bool:
         """Whether the rest of this cycle's levels need expert predictions for this prefetcher."""
         return True
+
+    def counters(self) -> dict[str, int]:
+        """Counts kept since bind (e.g. passes a gate paused); each run reports what they grew by."""
+        return {}

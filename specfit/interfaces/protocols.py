@@ -302,7 +302,9 @@ class Prefetcher(Protocol):
     ``PrefetcherBase``): ``bind`` (keeps the sink), ``after_level`` (nothing),
     ``needs_predictions(tree) -> bool`` (True): whether the rest of this cycle's draft levels need
     expert predictions for it. Where the selector reads none (``eagle3``), a prefetcher that says
-    False spares the predictor the cycle's remaining levels (EAGLE-3's trees: hundreds of nodes).
+    False spares the predictor the cycle's remaining levels (EAGLE-3's trees: hundreds of nodes);
+    ``counters() -> dict[str, int]`` (none): counts kept since ``bind``, whose growth over a run
+    goes into its results as ``prefetch_<name>`` (the look-ahead's passes run and paused).
     """
 
     name: ClassVar[str]

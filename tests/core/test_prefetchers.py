@@ -28,7 +28,7 @@ from specfit.plugins.predictors.history import HistoryPredictor
 from specfit.plugins.prefetchers.auto import AutoPrefetcher
 from specfit.plugins.prefetchers.draft import DraftPrefetcher, expected_use
 from specfit.core.router_probe import Router, fold_norm
-from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher
+from specfit.plugins.prefetchers.lookahead import BenefitGate, LookaheadPrefetcher
 from specfit.plugins.prefetchers.none import NoPrefetcher
 from specfit.plugins.selectors.eagle3 import TopByPathProbSelector
 from specfit.plugins.selectors.none import NoDraftSelector
@@ -313,6 +313,75 @@ def test_demo_pair_with_prefetch_auto_decodes_ar_tokens_and_uses_its_prefetches(
         assert stats["prefetch"] == "auto" and stats["prefetch_used"] > 0, method
     # the same AR passes: experts prefetched ahead are hits, so the pass misses fewer
     assert outs["ar_prefetch"].stats["expert_cache_hit_rate"] > outs["ar"].stats["expert_cache_hit_rate"]
+
+
+# --------------------------------------------------------------------------- the look-ahead's gate
+
+
+def test_the_gate_pauses_a_window_that_does_not_pay_doubling_the_pause_until_one_pays():
+    gate = BenefitGate(window=2, pause=2, longest=4)
+    used, schedule = 0, []
+
+    def run(passes: int, spent_per_pass: float, used_per_pass: int) -> None:
+        nonlocal used
+        for _ in range(passes):
+            on = gate.next_pass(used, expert_seconds=1.0)
+            schedule.append(int(on))
+            if on:  # the hooks run: host time spent, prefetches the next passes use
+                gate.spent += spent_per_pass
+                used += used_per_pass
+
+    run(2, 3.0, 1)  # a window: 2 experts used (2 s saved) for 6 s of host time
+    run(2, 3.0, 1)  # paused 2 passes
+    run(2, 3.0, 1)  # the probe loses again
+    run(4, 3.0, 1)  # paused 4 (doubled)
+    run(2, 3.0, 1)  # probe: loses, the pause stays at its longest (4)
+    assert schedule == [1, 1, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1]
+    assert gate.pause == 4
+    run(4, 0.5, 1)  # paused 4; the probe then pays (2 s saved for 1 s)
+    run(2, 0.5, 1)
+    run(2, 0.5, 1)  # and stays on, the pause reset
+    assert schedule[12:] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert gate.pause == 2 and (gate.passes_on, gate.passes_off) == (10, 10)
+
+
+def test_the_gate_stays_on_while_the_link_time_is_unknown():
+    gate = BenefitGate(window=1, pause=1)
+    gate.spent = 1.0
+    assert all(gate.next_pass(0, expert_seconds=0.0) for _ in range(5))
+
+
+@pytest.mark.parametrize("source", ["fitted", "own"])
+def test_a_paused_lookahead_prefetches_nothing_reports_its_passes_and_keeps_ar_output(source):
+    runs = {}
+    for gate in (True, False):
+        prefetcher = LookaheadPrefetcher(source=source, gate=gate)
+        if gate:  # a short window, and host time that never pays: paused after the first window
+            prefetcher.gate = BenefitGate(window=4, pause=8, longest=8)
+        engine = Engine(tiny_model(), cache=LRUCache(capacity=3), prefetcher=prefetcher, device="cpu",
+                        selector=NoDraftSelector())
+        engine.prefetch_sink.expert_seconds = lambda: 1e-12
+        out = engine.generate(PROMPT, max_new_tokens=N)
+        assert out.token_ids == reference()[len(PROMPT):]
+        check_slots(engine)
+        runs[gate] = out.stats
+    on, paused = runs[True]["prefetch_lookahead_passes"], runs[True]["prefetch_lookahead_paused_passes"]
+    assert on + paused == N and paused >= 8 and on >= 4  # prefill and N - 1 steps, each one pass
+    assert 0 < runs[True]["prefetch_issued"] < runs[False]["prefetch_issued"]
+    assert "prefetch_lookahead_passes" not in runs[False]
+
+
+def test_counters_that_are_not_names_to_ints_are_named():
+    class Counting(PrefetcherBase):
+        name = "counting"
+
+        def counters(self):
+            return {"passes": 1.5}
+
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=3), prefetcher=Counting(), device="cpu",
+                    selector=NoDraftSelector())
+    with pytest.raises(PluginError, match=r"^prefetch 'counting' \(counters\): must return a dict of names to ints"):
+        engine.generate(PROMPT, max_new_tokens=2)
 
 
 # --------------------------------------------------------------------------- a broken prefetcher

@@ -21,6 +21,7 @@ class AutoPrefetcherConfig(PrefetcherConfig):
     keep: int | None = None  # lookahead's next-ranked experts kept where resident (null: the top-k)
     min_benefit: float = 0.2  # draft's: skip experts used with a lower probability
     max_per_layer: int | None = None  # draft's cap per layer and level
+    gate: bool = True  # lookahead's: pause it while the stall it removes does not pay for its host time
 
     def __post_init__(self) -> None:
         check_lookahead_settings(self.source, self.per_layer, self.picks, self.keep)
@@ -34,8 +35,9 @@ class AutoPrefetcher(PrefetcherBase):
     Config = AutoPrefetcherConfig
 
     def __init__(self, source: str = "fitted", per_layer: int | None = None, min_benefit: float = 0.2,
-                 max_per_layer: int | None = None, picks: int | None = None, keep: int | None = None) -> None:
-        self.lookahead = LookaheadPrefetcher(source=source, per_layer=per_layer, picks=picks, keep=keep)
+                 max_per_layer: int | None = None, picks: int | None = None, keep: int | None = None,
+                 gate: bool = True) -> None:
+        self.lookahead = LookaheadPrefetcher(source=source, per_layer=per_layer, picks=picks, keep=keep, gate=gate)
         self.draft = DraftPrefetcher(min_benefit=min_benefit, max_per_layer=max_per_layer)
 
     def bind(self, target: Any, sink: Any) -> None:
@@ -45,6 +47,9 @@ class AutoPrefetcher(PrefetcherBase):
 
     def after_level(self, tree: DraftTree, predicted: Sequence[int], resident: np.ndarray) -> None:
         self.draft.after_level(tree, predicted, resident)
+
+    def counters(self) -> dict[str, int]:
+        return self.lookahead.counters()
 
     def needs_predictions(self, tree: DraftTree) -> bool:
         return self.draft.needs_predictions(tree)  # the look-ahead reads hidden states, not predictions

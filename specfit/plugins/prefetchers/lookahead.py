@@ -49,10 +49,21 @@ the next token's. Measured (AR, the setup above, one process): demand misses 2.7
 fewer prefetches, and the misses back at 2.77). ``own`` folds an
 RMSNorm's scale into the router weight (:func:`fold_norm`): a positive factor per token does not
 change its top-k, so the hook is one matmul, a top-k and one host read.
+
+The look-ahead costs host time in every pass (on this CPU host about 0.25 ms a layer: the fitted
+router, the top-k and its host read, the requests' checks and the copies' issue), and it saves
+only the stall of the copies it brings in time. Where few copies remain (a cache holding most of
+what passes use) it can cost more than it saves: on the demo at ``cache.capacity=16`` (AR, 8
+held-out prompts, one process, 2026-12-07) AR + look-ahead ran at 0.90-0.98x AR, its stall 0.76-0.85
+-> 0.13-0.14 ms a token. Its :class:`BenefitGate` (``gate``, on by default) compares the two over
+windows of passes and pauses it while it does not pay: 0.98-1.01x AR there, and at capacity 8
+and 4, where it pays, it stayed on (1.087x and 1.196x AR against 1.069x and 1.163x without the
+gate, in the same runs).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +91,9 @@ class LookaheadPrefetcherConfig(PrefetcherConfig):
     # the experts ranked just after the picks (this many per token; null: the model's top-k, 0: none)
     # are kept if resident: the prefetch's copies evict experts the predictor ranks lower instead
     keep: int | None = None
+    # measure whether the stall the look-ahead removes pays for its host time, and pause it while
+    # it does not (probing again now and then); false: always on
+    gate: bool = True
 
     def __post_init__(self) -> None:
         check_lookahead_settings(self.source, self.per_layer, self.picks, self.keep)
@@ -101,10 +115,12 @@ class LookaheadPrefetcher(PrefetcherBase):
     Config = LookaheadPrefetcherConfig
 
     def __init__(self, source: str = "fitted", per_layer: int | None = None, picks: int | None = None,
-                 keep: int | None = None) -> None:
+                 keep: int | None = None, gate: bool = True) -> None:
         check_lookahead_settings(source, per_layer, picks, keep)
         self.source, self.per_layer, self.picks, self.keep = source, per_layer, picks, keep
         self.handles: list[Any] = []
+        self.gate = BenefitGate() if gate else None
+        self.active = True  # the look-ahead runs in this pass
 
     def bind(self, target: Any, sink: Any) -> None:
         super().bind(target, sink)
@@ -117,6 +133,8 @@ class LookaheadPrefetcher(PrefetcherBase):
         self.k = self.picks or spec.top_k
         self.kept = min(spec.top_k if self.keep is None else self.keep, spec.num_experts - self.k)
         layers, routers = moe_routers(model, spec, "prefetch=lookahead")
+        if self.gate is not None:  # first: every other hook of a pass asks it whether to run
+            self.handles.append(model.register_forward_pre_hook(self._pass_start))
         fitted = self.source == "fitted" and len(routers) > 1  # one MoE layer: no layer before it, own
         own_layers = layers[:1] if fitted else layers if self.source in ("own", "both", "fitted") else []
         for router in routers[:len(own_layers)]:
@@ -140,14 +158,36 @@ class LookaheadPrefetcher(PrefetcherBase):
             self._early_state = "unchecked"
             self.handles.append(model.register_forward_pre_hook(self._early_hook, with_kwargs=True))
 
+    def counters(self) -> dict[str, int]:
+        """Passes the look-ahead ran in and passes its gate paused it (none without a gate)."""
+        if self.gate is None:
+            return {}
+        return {"lookahead_passes": self.gate.passes_on, "lookahead_paused_passes": self.gate.passes_off}
+
+    def _pass_start(self, _module: nn.Module, _args: tuple) -> None:
+        """The model's forward pre-hook: whether the look-ahead runs in this pass (the gate)."""
+        self.active = self.gate.next_pass(self.sink.prefetches_used(), self.sink.expert_seconds())
+
     def _next(self, layer: int, hidden: torch.Tensor) -> None:
         """The runtime's layer listener: layer l's expert input, after l's own copies were issued."""
-        if layer + 1 < len(self.routers):
-            self.sink.run("lookahead (next)", self._prefetch, layer + 1, hidden, False)
+        if self.active and layer + 1 < len(self.routers):
+            self._timed("lookahead (next)", self._prefetch, layer + 1, hidden, False)
 
     def _fitted_next(self, layer: int, hidden: torch.Tensor) -> None:
         """The runtime's layer listener: learn from layer l's expert input, prefetch layer l+1's picks."""
-        self.sink.run("lookahead (fitted)", self._prefetch_fitted, layer, hidden)
+        if self.active:
+            self._timed("lookahead (fitted)", self._prefetch_fitted, layer, hidden)
+
+    def _timed(self, hook: str, fn: Any, *args: Any) -> None:
+        """``fn(*args)`` as ``hook``, its host time charged to the gate."""
+        if self.gate is None:
+            self.sink.run(hook, fn, *args)
+            return
+        start = time.perf_counter()
+        try:
+            self.sink.run(hook, fn, *args)
+        finally:
+            self.gate.spent += time.perf_counter() - start
 
     def _prefetch_fitted(self, layer: int, hidden: torch.Tensor) -> None:
         scores = self.fitted.observe(layer, hidden)
@@ -156,6 +196,8 @@ class LookaheadPrefetcher(PrefetcherBase):
 
     def _own_hook(self, index: int):  # noqa: ANN202 - a forward pre-hook
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self.active:
+                return
             hidden = _hidden(args, kwargs)
             if index == 0 and self._early_state != "off":
                 early, self._early = self._early, None
@@ -166,7 +208,7 @@ class LookaheadPrefetcher(PrefetcherBase):
                         self._early_state = "checked"
                         return
                     self._early_state = "off"  # another input (a scaled embedding): prefetch here from now on
-            self.sink.run("lookahead (own)", self._prefetch, index, hidden, True)
+            self._timed("lookahead (own)", self._prefetch, index, hidden, True)
 
         return hook
 
@@ -176,10 +218,11 @@ class LookaheadPrefetcher(PrefetcherBase):
         copies get that much more lead. Checked against the layer's real input on the first pass."""
         self._early = None
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if self._early_state == "off" or not isinstance(ids, torch.Tensor) or kwargs.get("inputs_embeds") is not None:
+        if not self.active or self._early_state == "off" or not isinstance(ids, torch.Tensor) \
+                or kwargs.get("inputs_embeds") is not None:
             return
         self._early = early = self._embedding(ids)
-        self.sink.run("lookahead (own)", self._prefetch, 0, early, True)
+        self._timed("lookahead (own)", self._prefetch, 0, early, True)
 
     def _prefetch(self, layer: int, hidden: torch.Tensor, normalise: bool) -> None:
         """The router's top-k for every token of the pass; experts picked by more tokens first (one
@@ -209,6 +252,47 @@ class LookaheadPrefetcher(PrefetcherBase):
             order = order[: self.per_layer]
         # only what fits beside the copies: a pass whose picks fill the slots (a big tree) keeps none
         self.sink.prefetch(layer, order, keep[: max(self.sink.capacity() - len(order), 0)])
+
+
+class BenefitGate:
+    """Keeps the look-ahead on while the stall it removes pays for the host time it costs.
+
+    Measured over windows of ``window`` passes: the host seconds the look-ahead's hooks took
+    (prediction, requests, the copies' issue) against the prefetched experts the passes used, times
+    one expert's link time (the most a demand copy of each would have waited). A window that does
+    not pay pauses the look-ahead for ``pause`` passes, doubling (up to ``longest``) while probes
+    keep losing; a window that pays resets the pause. So with a cache large enough that few copies
+    remain, or on a host whose per-call overhead is high against the link, the look-ahead does not
+    cost more than it saves. Used prefetches are counted over the whole run (``auto``'s draft
+    prefetches included), so where both run the gate leans towards staying on.
+    """
+
+    def __init__(self, window: int = 32, pause: int = 32, longest: int = 1024) -> None:
+        self.window, self.first_pause, self.longest = window, pause, longest
+        self.on, self.left, self.pause = True, window, pause
+        self.spent = 0.0  # host seconds of the look-ahead in this window (its hooks add to it)
+        self.used_at: int | None = None  # the used-prefetch count when the window started
+        self.passes_on = self.passes_off = 0
+
+    def next_pass(self, used: int, expert_seconds: float) -> bool:
+        """A pass starts (``used``: prefetched experts used so far); whether the look-ahead runs in it."""
+        if self.used_at is None:
+            self.used_at = used
+        if self.left == 0:  # a window or a pause is over
+            if not self.on:
+                self.on, self.left = True, self.window  # probe again
+            elif expert_seconds > 0 and (used - self.used_at) * expert_seconds < self.spent:
+                self.on, self.left = False, self.pause
+                self.pause = min(2 * self.pause, self.longest)
+            else:
+                self.left, self.pause = self.window, self.first_pause
+            self.spent, self.used_at = 0.0, used
+        self.left -= 1
+        if self.on:
+            self.passes_on += 1
+        else:
+            self.passes_off += 1
+        return self.on
 
 
 def _most_picked(picks: torch.Tensor, experts: int) -> list[int]:
