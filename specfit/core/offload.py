@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
@@ -66,6 +67,7 @@ class CacheStats:
     prefetch_issued: int = 0  # experts copied by prefetch
     prefetch_used: int = 0  # prefetched experts a pass then computed with before eviction
     prefetch_wasted: int = 0  # prefetched experts evicted before any pass used them
+    issue_seconds: float = 0.0  # host time in the copy engine's issue calls (a CPU's memcpy; a GPU's launch)
 
     def copy(self) -> CacheStats:
         return dataclasses.replace(self, union_sum=self.union_sum.copy())
@@ -86,6 +88,7 @@ class CacheStats:
             prefetch_issued=self.prefetch_issued - earlier.prefetch_issued,
             prefetch_used=self.prefetch_used - earlier.prefetch_used,
             prefetch_wasted=self.prefetch_wasted - earlier.prefetch_wasted,
+            issue_seconds=self.issue_seconds - earlier.issue_seconds,
         )
 
     def union_per_layer(self) -> np.ndarray:
@@ -354,12 +357,15 @@ class OffloadRuntime:
             if prefetch:
                 prefetched[slot] = expert
         ids = torch.from_numpy(np.array(loads, dtype=np.int64).T.copy())  # [2, n]: experts, slots
+        start = time.perf_counter()
         ticket = self.copy_engine.issue(host, ids[0], self.slots[layer], ids[1])
+        issue_seconds = time.perf_counter() - start
         for row, (_, slot) in enumerate(loads):
             pending[slot] = ticket.row(row)  # same copy stream / FIFO link: it lands after any earlier copy
         self._issued_expert[layer, ids[1].numpy()] = ids[0].numpy()  # with its tickets: waited before use
         if not count:
             return ticket
+        self.stats.issue_seconds += issue_seconds
         self.stats.h2d_bytes += ticket.bytes
         self.stats.h2d_seconds += ticket.seconds
         self.stats.link_busy_seconds += ticket.seconds

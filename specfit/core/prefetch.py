@@ -114,6 +114,11 @@ class PrefetchSink:
         """Prefetched experts that a pass computed with, so far (every prefetcher's of this run)."""
         return 0
 
+    def issue_seconds(self) -> float:
+        """Host seconds the runtime spends issuing one expert's copy (a CPU's memcpy, a GPU's launch),
+        demand or prefetch alike: what a used prefetch moves off the demand path (0.0: unknown)."""
+        return 0.0
+
     def capacity(self) -> int:
         """Device slots per layer (a prefetch beyond them evicts what it just copied)."""
         return self.spec.num_experts
@@ -198,6 +203,11 @@ class LiveSink(PrefetchSink):
 
     def prefetches_used(self) -> int:
         return self.runtime.stats.prefetch_used
+
+    def issue_seconds(self) -> float:
+        stats, expert_bytes = self.runtime.stats, self.spec.expert_bytes
+        copied = stats.h2d_bytes / expert_bytes if expert_bytes else 0.0
+        return stats.issue_seconds / copied if copied else 0.0
 
     def expert_seconds(self) -> float:
         engine = getattr(self.runtime, "copy_engine", None)

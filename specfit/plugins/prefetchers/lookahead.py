@@ -166,7 +166,8 @@ class LookaheadPrefetcher(PrefetcherBase):
 
     def _pass_start(self, _module: nn.Module, _args: tuple) -> None:
         """The model's forward pre-hook: whether the look-ahead runs in this pass (the gate)."""
-        self.active = self.gate.next_pass(self.sink.prefetches_used(), self.sink.expert_seconds())
+        saves = self.sink.expert_seconds()
+        self.active = self.gate.next_pass(self.sink.prefetches_used(), saves and saves + self.sink.issue_seconds())
 
     def _next(self, layer: int, hidden: torch.Tensor) -> None:
         """The runtime's layer listener: layer l's expert input, after l's own copies were issued."""
@@ -257,14 +258,17 @@ class LookaheadPrefetcher(PrefetcherBase):
 class BenefitGate:
     """Keeps the look-ahead on while the stall it removes pays for the host time it costs.
 
-    Measured over windows of ``window`` passes: the host seconds the look-ahead's hooks took
-    (prediction, requests, the copies' issue) against the prefetched experts the passes used, times
-    one expert's link time (the most a demand copy of each would have waited). A window that does
-    not pay pauses the look-ahead for ``pause`` passes, doubling (up to ``longest``) while probes
-    keep losing; a window that pays resets the pause. So with a cache large enough that few copies
-    remain, or on a host whose per-call overhead is high against the link, the look-ahead does not
-    cost more than it saves. Used prefetches are counted over the whole run (``auto``'s draft
-    prefetches included), so where both run the gate leans towards staying on.
+    At the end of each window of ``window`` passes it weighs the host seconds the look-ahead's
+    hooks took (prediction, requests, the copies' issue) against what the prefetched experts the
+    passes used saved: each, one copy's link time (the wait of a demand copy) and the host time of
+    its issue (which the demand path would have spent instead). Both are sums over the windows the
+    look-ahead ran in since it last resumed, each earlier window weighing half as much, so one noisy
+    window (the host preempted inside a hook) does not decide. While the look-ahead does not pay, it is paused for
+    ``pause`` passes, doubling (up to ``longest``) while the probes after a pause keep losing; a
+    window that pays resets the pause. So with a cache large enough that few copies remain, or on
+    a host whose per-call overhead is high against the link, it no longer costs more than it
+    saves. Used prefetches are counted over the whole run (``auto``'s draft prefetches included),
+    so where both run the gate leans towards staying on.
     """
 
     def __init__(self, window: int = 32, pause: int = 32, longest: int = 1024) -> None:
@@ -272,20 +276,26 @@ class BenefitGate:
         self.on, self.left, self.pause = True, window, pause
         self.spent = 0.0  # host seconds of the look-ahead in this window (its hooks add to it)
         self.used_at: int | None = None  # the used-prefetch count when the window started
+        self.saved_sum = self.spent_sum = 0.0  # over the windows it ran in, halved each window
         self.passes_on = self.passes_off = 0
 
-    def next_pass(self, used: int, expert_seconds: float) -> bool:
-        """A pass starts (``used``: prefetched experts used so far); whether the look-ahead runs in it."""
+    def next_pass(self, used: int, saves: float) -> bool:
+        """A pass starts (``used``: prefetched experts used so far; ``saves``: seconds one saves, 0.0
+        unknown); whether the look-ahead runs in it."""
         if self.used_at is None:
             self.used_at = used
         if self.left == 0:  # a window or a pause is over
-            if not self.on:
-                self.on, self.left = True, self.window  # probe again
-            elif expert_seconds > 0 and (used - self.used_at) * expert_seconds < self.spent:
-                self.on, self.left = False, self.pause
-                self.pause = min(2 * self.pause, self.longest)
+            if not self.on:  # probe again, on this window's figures alone
+                self.on, self.left = True, self.window
+                self.saved_sum = self.spent_sum = 0.0
             else:
-                self.left, self.pause = self.window, self.first_pause
+                self.saved_sum = 0.5 * self.saved_sum + (used - self.used_at) * saves
+                self.spent_sum = 0.5 * self.spent_sum + self.spent
+                if saves > 0 and self.saved_sum < self.spent_sum:
+                    self.on, self.left = False, self.pause
+                    self.pause = min(2 * self.pause, self.longest)
+                else:
+                    self.left, self.pause = self.window, self.first_pause
             self.spent, self.used_at = 0.0, used
         self.left -= 1
         if self.on:
