@@ -53,12 +53,12 @@ change its top-k, so the hook is one matmul, a top-k and one host read.
 The look-ahead costs host time in every pass (on this CPU host about 0.25 ms a layer: the fitted
 router, the top-k and its host read, the requests' checks and the copies' issue), and it saves
 only the stall of the copies it brings in time. Where few copies remain (a cache holding most of
-what passes use) it can cost more than it saves: on the demo at ``cache.capacity=16`` (AR, 8
-held-out prompts, one process, 2026-12-07) AR + look-ahead ran at 0.90-0.98x AR, its stall 0.76-0.85
--> 0.13-0.14 ms a token. Its :class:`BenefitGate` (``gate``, on by default) compares the two over
-windows of passes and pauses it while it does not pay: 0.98-1.01x AR there, and at capacity 8
-and 4, where it pays, it stayed on (1.087x and 1.196x AR against 1.069x and 1.163x without the
-gate, in the same runs).
+what passes use) it can cost more than it saves. Its :class:`BenefitGate` (``gate``, on by
+default) weighs the two over windows of passes and pauses it while it does not pay. Measured on
+the demo (AR, held-out prompts, 8 per workload x 2, one bench, paired, 2026-12-07): at
+``cache.capacity=16`` AR + look-ahead ran at 0.92x AR without the gate (stall 0.67 -> 0.06 ms a
+token) and 0.98x with it (paused in 75% of passes); at capacity 8 the gate never paused (1.05x,
+and 1.04x without it); at capacity 4 it paused in 2% of passes (1.14x, and 1.12x without it).
 """
 
 from __future__ import annotations
