@@ -239,9 +239,10 @@ def mean_stats(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
               "draft_seconds", "select_seconds", "verify_compute_seconds", "cycles", "draft_tokens", "verified_nodes",
               "accepted_tokens", "h2d_stall_seconds", "prefill_h2d_stall_seconds", "link_busy_seconds", "prefetch_issued",
               "prefetch_used", "prefetch_wasted", "verify_seconds")
-    totals += tuple(key for key, value in runs[0].items() if key.startswith("prefetch_") and type(value) is int)
+    counters = {key for r in runs for key, value in r.items() if key.startswith("prefetch_") and type(value) is int}
+    totals += tuple(sorted(counters - set(totals)))
     for key in totals:
-        if key in out:
+        if key in out or key in counters:
             out[key] = sum(r.get(key, 0) for r in runs)
     hits, misses = out.get("expert_cache_hits", 0), out.get("expert_cache_misses", 0)
     out["expert_cache_hit_rate"] = hits / (hits + misses) if hits + misses else 0.0

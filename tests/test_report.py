@@ -239,5 +239,7 @@ def test_bench_says_where_the_lookahead_gate_paused_it_and_runs_sum_the_counts()
              "prefetch_lookahead_paused_passes": 50}]
     both = mean_stats(runs)
     assert (both["prefetch_lookahead_passes"], both["prefetch_lookahead_paused_passes"]) == (20, 80)
+    older = mean_stats([_prefetch_row("ar_prefetch", 0.05, 8, 6, 2), *runs])  # a row from before the counters
+    assert (older["prefetch_lookahead_passes"], older["prefetch_issued"]) == (20, 24)
     assert paused_line([both, mean_stats([_prefetch_row("ar", 0.2, 0, 0, 5)])]).endswith(": ar_prefetch 80%")
     assert paused_line([{**both, "prefetch_lookahead_paused_passes": 0}]) == ""

@@ -28,7 +28,7 @@ from specfit.core.numerics import apply_numerics, check_numerics, numerics_info
 from specfit.core.offload import OffloadRuntime
 from specfit.core.sampling import Sampler, SamplingParams
 from specfit.core.setup_state import decode_ended
-from specfit.core.stats import CycleRecord, RunStats
+from specfit.core.stats import RUNTIME_PREFETCH_COUNTS, CycleRecord, RunStats
 from specfit.core.target import PassOutput, Target
 from specfit.core.tree import DraftTree, VerifyBlock
 from specfit.errors import ConfigError
@@ -221,12 +221,16 @@ class Engine:
 
     def _prefetch_counters(self) -> dict[str, int]:
         """The prefetcher's ``counters()`` (none without one), checked: names to integers."""
-        if self.prefetch_sink is None or not hasattr(self.prefetcher, "counters"):  # optional
+        if self.prefetch_sink is None or not callable(getattr(self.prefetcher, "counters", None)):  # optional
             return {}
         counts = self.prefetch_sink.call("counters")
         if not isinstance(counts, dict) or not all(isinstance(k, str) and type(v) is int for k, v in counts.items()):
             raise guard.violation("prefetch", self.prefetcher, "counters",
                                   f"must return a dict of names to ints, got {counts!r:.60}")
+        taken = sorted(set(counts) & set(RUNTIME_PREFETCH_COUNTS))
+        if taken:
+            raise guard.violation("prefetch", self.prefetcher, "counters",
+                                  f"names {taken} would replace the runtime's own prefetch_* figures")
         return counts
 
     def check_prompt(self, prompt: str | Sequence[int]) -> list[int]:

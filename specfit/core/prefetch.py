@@ -114,10 +114,9 @@ class PrefetchSink:
         """Prefetched experts that a pass computed with, so far (every prefetcher's of this run)."""
         return 0
 
-    def issue_seconds(self) -> float:
-        """Host seconds the runtime spends issuing one expert's copy (a CPU's memcpy, a GPU's launch),
-        demand or prefetch alike: what a used prefetch moves off the demand path (0.0: unknown)."""
-        return 0.0
+    def saved_per_use(self) -> float:
+        """At most the seconds a used prefetch takes off the passes' critical path (0.0: unknown)."""
+        return self.expert_seconds()
 
     def capacity(self) -> int:
         """Device slots per layer (a prefetch beyond them evicts what it just copied)."""
@@ -204,10 +203,17 @@ class LiveSink(PrefetchSink):
     def prefetches_used(self) -> int:
         return self.runtime.stats.prefetch_used
 
-    def issue_seconds(self) -> float:
+    def saved_per_use(self) -> float:
+        """The host time of one copy's issue (a CPU's memcpy, a GPU's launch), which the demand path
+        would have spent, and where copies travel while compute goes on (the emulated link, a GPU's
+        copy stream) one copy's link time, which a demand copy would have waited. A synchronous
+        link (``cache.copy=torch`` on a CPU) hides nothing: only the issue moves."""
         stats, expert_bytes = self.runtime.stats, self.spec.expert_bytes
         copied = stats.h2d_bytes / expert_bytes if expert_bytes else 0.0
-        return stats.issue_seconds / copied if copied else 0.0
+        issue = stats.issue_seconds / copied if copied else 0.0
+        asynchronous = getattr(self.runtime.copy_engine, "emulated", False) or self.runtime.device.type == "cuda"
+        link = self.expert_seconds() if asynchronous else 0.0
+        return link + issue if link > 0 or not asynchronous else 0.0
 
     def expert_seconds(self) -> float:
         engine = getattr(self.runtime, "copy_engine", None)

@@ -57,6 +57,11 @@ class CycleRecord:
     stall_measured: bool = False
 
 
+# prefetch_<name> keys of a run's results the runtime and the results fill in: a prefetcher's own
+# counters() may not use these names
+RUNTIME_PREFETCH_COUNTS = ("issued", "used", "wasted", "precision", "recall")
+
+
 @dataclass
 class RunStats:
     prompt_tokens: int = 0

@@ -16,6 +16,7 @@ from drafters import ScriptedDrafter
 import specfit
 from specfit import Engine
 from specfit.core.calibration import CostConstants
+from specfit.core.copy_engines import LinkSettings
 from specfit.core.prefetch import ModelledSink, check_request
 from specfit.core.tree import DraftTree
 from specfit.errors import PluginError
@@ -369,7 +370,7 @@ def test_a_paused_lookahead_prefetches_nothing_reports_its_passes_and_keeps_ar_o
             prefetcher.gate = BenefitGate(window=4, pause=8, longest=8)
         engine = Engine(tiny_model(), cache=LRUCache(capacity=3), prefetcher=prefetcher, device="cpu",
                         selector=NoDraftSelector())
-        engine.prefetch_sink.expert_seconds = lambda: 1e-12
+        engine.prefetch_sink.saved_per_use = lambda: 1e-12  # a used prefetch saves (next to) nothing
         out = engine.generate(PROMPT, max_new_tokens=N)
         assert out.token_ids == reference()[len(PROMPT):]
         check_slots(engine)
@@ -380,16 +381,70 @@ def test_a_paused_lookahead_prefetches_nothing_reports_its_passes_and_keeps_ar_o
     assert "prefetch_lookahead_passes" not in runs[False]
 
 
-def test_counters_that_are_not_names_to_ints_are_named():
+def test_the_gate_stays_on_where_the_lookahead_pays_and_auto_reports_it():
+    """An emulated link of 1 ms an expert: a used prefetch can save that and its issue's host time.
+    Where that pays for the hooks (here, saves set to 1 s each, so no host jitter decides), the gate
+    never pauses."""
+    link = LinkSettings(profile=None, bandwidth_gbps=0.1, latency_us=0.0, ref_expert_bytes=100_000)
+    prefetcher = AutoPrefetcher()
+    prefetcher.lookahead.gate = BenefitGate(window=4, pause=8)
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=3), prefetcher=prefetcher, device="cpu", copy="emulated",
+                    link=link, selector=NoDraftSelector())
+    sink = engine.prefetch_sink
+    engine.generate(PROMPT, max_new_tokens=4)
+    assert engine.runtime.stats.issue_seconds > 0
+    assert sink.saved_per_use() > sink.expert_seconds() == pytest.approx(1e-3)
+    sink.saved_per_use = lambda: 1.0
+    out = engine.generate(PROMPT, max_new_tokens=N)
+    assert out.token_ids == reference()[len(PROMPT):]
+    assert out.stats["prefetch_lookahead_passes"] == N and out.stats["prefetch_lookahead_paused_passes"] == 0
+    assert AutoPrefetcher(gate=False).lookahead.gate is None and AutoPrefetcher(gate=False).counters() == {}
+
+
+def test_on_a_synchronous_link_a_used_prefetch_saves_only_its_issue():
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=3), prefetcher=LookaheadPrefetcher(), device="cpu",
+                    selector=NoDraftSelector())  # cache.copy=torch on a CPU: each copy is a memcpy, no stall
+    engine.generate(PROMPT, max_new_tokens=4)
+    stats, sink = engine.runtime.stats, engine.prefetch_sink
+    per_copy = stats.issue_seconds / (stats.h2d_bytes / engine.spec.expert_bytes)
+    assert sink.saved_per_use() == pytest.approx(per_copy) and sink.expert_seconds() > 0
+
+
+class NoBase:
+    """A prefetcher written to the Protocol alone, with a ``counters`` that is not a method."""
+
+    name = "nobase"
+    counters = {"passes": 1}
+
+    def bind(self, target, sink) -> None:
+        self.sink = sink
+
+    def after_level(self, tree, predicted, resident) -> None:
+        pass
+
+
+def test_a_prefetcher_without_a_counters_method_reports_no_counters():
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=3), prefetcher=NoBase(), device="cpu",
+                    selector=NoDraftSelector())
+    stats = engine.generate(PROMPT, max_new_tokens=2).stats
+    assert not [k for k in stats if k.startswith("prefetch_") and k not in ("prefetch_issued", "prefetch_used",
+                                                                             "prefetch_wasted")]
+
+
+@pytest.mark.parametrize(("counts", "message"), [
+    ({"passes": 1.5}, "must return a dict of names to ints"),
+    ({"used": 3}, r"names \['used'\] would replace the runtime's own prefetch_\* figures"),
+])
+def test_counters_that_are_not_names_to_ints_are_named(counts, message):
     class Counting(PrefetcherBase):
         name = "counting"
 
         def counters(self):
-            return {"passes": 1.5}
+            return counts
 
     engine = Engine(tiny_model(), cache=LRUCache(capacity=3), prefetcher=Counting(), device="cpu",
                     selector=NoDraftSelector())
-    with pytest.raises(PluginError, match=r"^prefetch 'counting' \(counters\): must return a dict of names to ints"):
+    with pytest.raises(PluginError, match=rf"^prefetch 'counting' \(counters\): {message}"):
         engine.generate(PROMPT, max_new_tokens=2)
 
 

@@ -133,10 +133,16 @@ class LookaheadPrefetcher(PrefetcherBase):
         self.k = self.picks or spec.top_k
         self.kept = min(spec.top_k if self.keep is None else self.keep, spec.num_experts - self.k)
         layers, routers = moe_routers(model, spec, "prefetch=lookahead")
-        if self.gate is not None:  # first: every other hook of a pass asks it whether to run
-            self.handles.append(model.register_forward_pre_hook(self._pass_start))
         fitted = self.source == "fitted" and len(routers) > 1  # one MoE layer: no layer before it, own
         own_layers = layers[:1] if fitted else layers if self.source in ("own", "both", "fitted") else []
+        if self.gate is not None and len(own_layers) > 1 and target.runtime.device.type == "cuda":
+            # a hook before layer l > 0 reads its picks while layer l-1's experts still compute: its
+            # wall time would hold that compute, which the layer's own read waits for anyway
+            sink.note(f"prefetch.gate: not used with prefetch.source={self.source} on CUDA (its hooks' time "
+                      "includes the GPU's); the look-ahead stays on")
+            self.gate = None
+        if self.gate is not None:  # first: every other hook of a pass asks it whether to run
+            self.handles.append(model.register_forward_pre_hook(self._pass_start))
         for router in routers[:len(own_layers)]:
             router.folded = fold_norm(router, spec.hidden_size)
             if router.folded is not None and router.folded.device.type == "cpu":
@@ -166,8 +172,7 @@ class LookaheadPrefetcher(PrefetcherBase):
 
     def _pass_start(self, _module: nn.Module, _args: tuple) -> None:
         """The model's forward pre-hook: whether the look-ahead runs in this pass (the gate)."""
-        saves = self.sink.expert_seconds()
-        self.active = self.gate.next_pass(self.sink.prefetches_used(), saves and saves + self.sink.issue_seconds())
+        self.active = self.gate.next_pass(self.sink.prefetches_used(), self.sink.saved_per_use())
 
     def _next(self, layer: int, hidden: torch.Tensor) -> None:
         """The runtime's layer listener: layer l's expert input, after l's own copies were issued."""
@@ -259,16 +264,17 @@ class BenefitGate:
     """Keeps the look-ahead on while the stall it removes pays for the host time it costs.
 
     At the end of each window of ``window`` passes it weighs the host seconds the look-ahead's
-    hooks took (prediction, requests, the copies' issue) against what the prefetched experts the
-    passes used saved: each, one copy's link time (the wait of a demand copy) and the host time of
-    its issue (which the demand path would have spent instead). Both are sums over the windows the
-    look-ahead ran in since it last resumed, each earlier window weighing half as much, so one noisy
-    window (the host preempted inside a hook) does not decide. While the look-ahead does not pay, it is paused for
-    ``pause`` passes, doubling (up to ``longest``) while the probes after a pause keep losing; a
-    window that pays resets the pause. So with a cache large enough that few copies remain, or on
-    a host whose per-call overhead is high against the link, it no longer costs more than it
-    saves. Used prefetches are counted over the whole run (``auto``'s draft prefetches included),
-    so where both run the gate leans towards staying on.
+    hooks took (prediction, requests, the copies' issue) against the most its used prefetches can
+    have saved (the sink's ``saved_per_use``: one copy's link time, which a demand copy would have
+    waited, and the host time of its issue, which the demand path would have spent). Cache
+    pollution is not charged and a prefetch that landed late is credited in full, so the gate
+    leans towards staying on. Both sums run over the windows since the look-ahead last resumed,
+    each earlier window weighing half as much, so one noisy window (the host preempted inside a
+    hook) does not decide. While it does not pay, the look-ahead is paused for ``pause`` passes,
+    doubling (up to ``longest``) while the probes after a pause keep losing; a window that pays
+    resets the pause. While paused, the fitted router does not learn either: a probe predicts
+    with the fit it had. Used prefetches are counted over the whole run (``auto``'s draft
+    prefetches included), which also leans towards staying on.
     """
 
     def __init__(self, window: int = 32, pause: int = 32, longest: int = 1024) -> None:
