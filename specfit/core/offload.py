@@ -68,6 +68,10 @@ class CacheStats:
     prefetch_used: int = 0  # prefetched experts a pass then computed with before eviction
     prefetch_wasted: int = 0  # prefetched experts evicted before any pass used them
     issue_seconds: float = 0.0  # host time in the copy engine's issue calls (a CPU's memcpy; a GPU's launch)
+    # copies timed on the device when a pass waited for them (CUDA), and their seconds: a copy never
+    # waited (a prefetch evicted unused) keeps only its enqueue time in h2d_seconds
+    timed_copies: int = 0
+    timed_copy_seconds: float = 0.0
 
     def copy(self) -> CacheStats:
         return dataclasses.replace(self, union_sum=self.union_sum.copy())
@@ -89,6 +93,8 @@ class CacheStats:
             prefetch_used=self.prefetch_used - earlier.prefetch_used,
             prefetch_wasted=self.prefetch_wasted - earlier.prefetch_wasted,
             issue_seconds=self.issue_seconds - earlier.issue_seconds,
+            timed_copies=self.timed_copies - earlier.timed_copies,
+            timed_copy_seconds=self.timed_copy_seconds - earlier.timed_copy_seconds,
         )
 
     def union_per_layer(self) -> np.ndarray:
@@ -388,6 +394,8 @@ class OffloadRuntime:
                 if ticket.seconds != measured:  # CUDA: the measured copy time replaces the enqueue time
                     self.stats.h2d_seconds += ticket.seconds - measured
                     self.stats.link_busy_seconds += ticket.seconds - measured
+                    self.stats.timed_copies += ticket.experts
+                    self.stats.timed_copy_seconds += ticket.seconds
 
     def _repair(self, layer: int) -> None:
         """After an exception mid-layer or mid-prefetch: copy, synchronously, every expert of

@@ -221,6 +221,8 @@ class LiveSink(PrefetchSink):
         if charge is not None:
             return float(charge(1, self.spec.expert_bytes))
         stats = self.runtime.stats  # a real link: what its copies (demand and prefetch) took so far
+        if stats.timed_copies:  # timed on the device when waited (CUDA); an unwaited one holds its enqueue only
+            return stats.timed_copy_seconds / stats.timed_copies
         copied = stats.h2d_bytes / self.spec.expert_bytes if self.spec.expert_bytes else 0.0
         return stats.h2d_seconds / copied if copied else 0.0
 

@@ -16,7 +16,7 @@ from drafters import ScriptedDrafter
 import specfit
 from specfit import Engine
 from specfit.core.calibration import CostConstants
-from specfit.core.copy_engines import LinkSettings
+from specfit.core.copy_engines import CopyTicket, LinkSettings, TorchCopyEngine
 from specfit.core.prefetch import ModelledSink, check_request
 from specfit.core.tree import DraftTree
 from specfit.errors import PluginError
@@ -408,6 +408,33 @@ def test_on_a_synchronous_link_a_used_prefetch_saves_only_its_issue():
     stats, sink = engine.runtime.stats, engine.prefetch_sink
     per_copy = stats.issue_seconds / (stats.h2d_bytes / engine.spec.expert_bytes)
     assert sink.saved_per_use() == pytest.approx(per_copy) and sink.expert_seconds() > 0
+
+
+def test_on_a_device_link_one_copy_takes_what_the_waited_copies_were_timed_at():
+    """CUDA's tickets hold their enqueue time until a pass waits for them (then the device's copy
+    time); a prefetch evicted unused is never waited. The link time of one copy is taken from the
+    waited copies alone, not diluted by the unwaited ones' enqueue times."""
+
+    class DeviceLike(TorchCopyEngine):
+        def issue(self, *args, **kwargs):  # noqa: ANN002, ANN003
+            real = super().issue(*args, **kwargs)
+            ticket = CopyTicket(real.experts, real.bytes, 1e-6 * real.experts, real.ready_at, _remaining=lambda: 0.0)
+
+            def wait() -> float:
+                ticket.seconds = 2e-3 * ticket.experts
+                return 0.0
+
+            ticket._wait = wait
+            return ticket
+
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=3), prefetcher=LookaheadPrefetcher(gate=False),
+                    device="cpu", copy=DeviceLike("cpu"), selector=NoDraftSelector())
+    out = engine.generate(PROMPT, max_new_tokens=N)
+    stats = engine.runtime.stats
+    assert out.stats["prefetch_wasted"] > 0 and stats.timed_copies > 0
+    copied = stats.h2d_bytes / engine.spec.expert_bytes
+    assert stats.h2d_seconds / copied < 2e-3 * 0.99  # the unwaited copies' enqueue times dilute it
+    assert engine.prefetch_sink.expert_seconds() == pytest.approx(2e-3)
 
 
 class NoBase:
