@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from specfit.config_messages import note_once
 from specfit.core import guard
 from specfit.core.offload import prefetch_loads
 from specfit.errors import PluginError, SpecfitError
@@ -199,6 +200,11 @@ class LiveSink(PrefetchSink):
 
     def capacity(self) -> int:
         return int(self.runtime.slots_per_layer)
+
+    def note(self, message: str) -> None:
+        """Kept, and printed once on stderr: a live run has no notes section of its own."""
+        super().note(message)
+        note_once(message)
 
     def prefetches_used(self) -> int:
         return self.runtime.stats.prefetch_used

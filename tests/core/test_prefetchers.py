@@ -17,7 +17,7 @@ import specfit
 from specfit import Engine
 from specfit.core.calibration import CostConstants
 from specfit.core.copy_engines import CopyTicket, LinkSettings, TorchCopyEngine
-from specfit.core.prefetch import ModelledSink, check_request
+from specfit.core.prefetch import LiveSink, ModelledSink, check_request
 from specfit.core.tree import DraftTree
 from specfit.errors import PluginError
 from specfit.interfaces import PrefetcherBase, PrefetcherConfig
@@ -435,6 +435,17 @@ def test_on_a_device_link_one_copy_takes_what_the_waited_copies_were_timed_at():
     copied = stats.h2d_bytes / engine.spec.expert_bytes
     assert stats.h2d_seconds / copied < 2e-3 * 0.99  # the unwaited copies' enqueue times dilute it
     assert engine.prefetch_sink.expert_seconds() == pytest.approx(2e-3)
+
+
+def test_the_gate_is_off_on_cuda_and_says_so(capsys, monkeypatch):
+    """On CUDA a hook's host read waits for queued GPU work: its wall time is not the look-ahead's cost."""
+    prefetcher = LookaheadPrefetcher()
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=3), device="cpu", selector=NoDraftSelector())
+    monkeypatch.setattr(engine.runtime, "device", torch.device("cuda"))
+    sink = LiveSink(prefetcher, engine.runtime)
+    prefetcher.bind(engine.target, sink)
+    assert prefetcher.gate is None and prefetcher.counters() == {}
+    assert "prefetch.gate: off on CUDA" in capsys.readouterr().err
 
 
 class NoBase:

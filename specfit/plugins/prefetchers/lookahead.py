@@ -135,11 +135,11 @@ class LookaheadPrefetcher(PrefetcherBase):
         layers, routers = moe_routers(model, spec, "prefetch=lookahead")
         fitted = self.source == "fitted" and len(routers) > 1  # one MoE layer: no layer before it, own
         own_layers = layers[:1] if fitted else layers if self.source in ("own", "both", "fitted") else []
-        if self.gate is not None and len(own_layers) > 1 and target.runtime.device.type == "cuda":
-            # a hook before layer l > 0 reads its picks while layer l-1's experts still compute: its
-            # wall time would hold that compute, which the layer's own read waits for anyway
-            sink.note(f"prefetch.gate: not used with prefetch.source={self.source} on CUDA (its hooks' time "
-                      "includes the GPU's); the look-ahead stays on")
+        if self.gate is not None and target.runtime.device.type == "cuda":
+            # a hook's host read of its picks waits for the GPU work queued before it (the layer
+            # before's experts, an earlier round's), so its wall time is not the look-ahead's cost
+            sink.note("prefetch.gate: off on CUDA (the hooks' wall time there holds GPU work they wait for, "
+                      "not the look-ahead's own cost); the look-ahead stays on")
             self.gate = None
         if self.gate is not None:  # first: every other hook of a pass asks it whether to run
             self.handles.append(model.register_forward_pre_hook(self._pass_start))
