@@ -247,8 +247,13 @@ def cost_fingerprint(engine: Any) -> dict[str, Any]:
     calibration (measured for minutes); the gate's and the estimator's state, which
     :func:`setup_fingerprint` keys, start again."""
     fingerprint = setup_fingerprint(engine)
-    fingerprint["drafter"] = {k: v for k, v in fingerprint["drafter"].items() if k not in ACCEPTANCE_ONLY}
+    fingerprint["drafter"] = _costs_part(fingerprint["drafter"])
     return fingerprint
+
+
+def _costs_part(drafter: dict[str, Any]) -> dict[str, Any]:
+    """A drafter's fingerprint less what only acceptance depends on (:data:`ACCEPTANCE_ONLY`)."""
+    return {k: v for k, v in drafter.items() if k not in ACCEPTANCE_ONLY}
 
 
 def setup_hash(fingerprint: dict[str, Any]) -> str:
@@ -329,7 +334,7 @@ def setup_differences(path: str | Path, engine: Any) -> list[str]:
         return []
     here = json.loads(json.dumps(cost_fingerprint(engine), default=str))
     if isinstance(stored.get("drafter"), dict):  # a file stored before the split kept them
-        stored = {**stored, "drafter": {k: v for k, v in stored["drafter"].items() if k not in ACCEPTANCE_ONLY}}
+        stored = {**stored, "drafter": _costs_part(stored["drafter"])}
     return differing_keys(stored, here)
 
 

@@ -214,12 +214,12 @@ class LiveSink(PrefetchSink):
         would have spent, and where copies travel while compute goes on (the emulated link, a GPU's
         copy stream) one copy's link time, which a demand copy would have waited. A synchronous
         link (``cache.copy=torch`` on a CPU) hides nothing: only the issue moves."""
-        stats, expert_bytes = self.runtime.stats, self.spec.expert_bytes
-        copied = stats.h2d_bytes / expert_bytes if expert_bytes else 0.0
-        issue = stats.issue_seconds / copied if copied else 0.0
-        asynchronous = getattr(self.runtime.copy_engine, "emulated", False) or self.runtime.device.type == "cuda"
-        link = self.expert_seconds() if asynchronous else 0.0
-        return link + issue if link > 0 or not asynchronous else 0.0
+        copied = self._copied()
+        issue = self.runtime.stats.issue_seconds / copied if copied else 0.0
+        if not (getattr(self.runtime.copy_engine, "emulated", False) or self.runtime.device.type == "cuda"):
+            return issue  # a synchronous link
+        link = self.expert_seconds()
+        return link + issue if link > 0 else 0.0  # the link time unknown yet: so is the saving
 
     def expert_seconds(self) -> float:
         engine = getattr(self.runtime, "copy_engine", None)
@@ -229,8 +229,13 @@ class LiveSink(PrefetchSink):
         stats = self.runtime.stats  # a real link: what its copies (demand and prefetch) took so far
         if stats.timed_copies:  # timed on the device when waited (CUDA); an unwaited one holds its enqueue only
             return stats.timed_copy_seconds / stats.timed_copies
-        copied = stats.h2d_bytes / self.spec.expert_bytes if self.spec.expert_bytes else 0.0
+        copied = self._copied()
         return stats.h2d_seconds / copied if copied else 0.0
+
+    def _copied(self) -> float:
+        """Experts copied so far (demand and prefetch), from the bytes moved."""
+        expert_bytes = self.spec.expert_bytes
+        return self.runtime.stats.h2d_bytes / expert_bytes if expert_bytes else 0.0
 
     def layer_seconds(self, tokens: int) -> float:
         constants = _constants(self.cost_model)

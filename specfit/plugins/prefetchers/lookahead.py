@@ -185,15 +185,13 @@ class LookaheadPrefetcher(PrefetcherBase):
             self._timed("lookahead (fitted)", self._prefetch_fitted, layer, hidden)
 
     def _timed(self, hook: str, fn: Any, *args: Any) -> None:
-        """``fn(*args)`` as ``hook``, its host time charged to the gate."""
-        if self.gate is None:
-            self.sink.run(hook, fn, *args)
-            return
+        """``fn(*args)`` as ``hook``, its host time charged to the gate (where there is one)."""
         start = time.perf_counter()
         try:
             self.sink.run(hook, fn, *args)
         finally:
-            self.gate.spent += time.perf_counter() - start
+            if self.gate is not None:
+                self.gate.spent += time.perf_counter() - start
 
     def _prefetch_fitted(self, layer: int, hidden: torch.Tensor) -> None:
         scores = self.fitted.observe(layer, hidden)
