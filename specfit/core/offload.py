@@ -356,19 +356,19 @@ class OffloadRuntime:
         if host is None:
             raise guard.violation("cache", self.policy, "admit", f"layer {layer}: loads {len(loads)} experts after "
                                   f"preloading every expert (the host copy was dropped); a full cache never loads")
-        prefetched, pending = self._prefetched[layer], self._pending[layer]
+        prefetched, pending, issued = self._prefetched[layer], self._pending[layer], self._issued_expert[layer]
         for expert, slot in loads:
             if prefetched.pop(slot, expert) != expert:
                 self.stats.prefetch_wasted += 1
             if prefetch:
                 prefetched[slot] = expert
-        ids = torch.from_numpy(np.array(loads, dtype=np.int64).T.copy())  # [2, n]: experts, slots
+        experts, slots = torch.from_numpy(np.array(loads, dtype=np.int64).T.copy())  # [2, n]: experts, slots
         start = time.perf_counter()
-        ticket = self.copy_engine.issue(host, ids[0], self.slots[layer], ids[1])
+        ticket = self.copy_engine.issue(host, experts, self.slots[layer], slots)
         issue_seconds = time.perf_counter() - start
-        for row, (_, slot) in enumerate(loads):
+        for row, (expert, slot) in enumerate(loads):
             pending[slot] = ticket.row(row)  # same copy stream / FIFO link: it lands after any earlier copy
-        self._issued_expert[layer, ids[1].numpy()] = ids[0].numpy()  # with its tickets: waited before use
+            issued[slot] = expert  # with its ticket: waited before use
         if not count:
             return ticket
         self.stats.issue_seconds += issue_seconds
