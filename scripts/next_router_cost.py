@@ -51,8 +51,8 @@ def main() -> None:
         start = time.perf_counter()
         router.fit(0)
         sync()
-        tensors = [*router.gram, *router.cross, router._sources, router._targets, *router.project, *router.weight,
-                   *router.bias, router.last]
+        tensors = [*router.gram, *router.cross, router._hidden, *router.project, *router.weight, *router.bias,
+                   *router.fused, *router.fused_bias, router.last]
         state = sum(t.numel() * t.element_size() for t in tensors)
         print(f"{'':15s} one pair's refit {1e3 * (time.perf_counter() - start):.2f} ms (a pass refits at most one); "
               f"state {state / 2**20:.1f} MiB (the stacked router weights included)")

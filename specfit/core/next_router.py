@@ -110,15 +110,18 @@ class NextLayerRouter:
             self._previous, self._complete = None, False
         if layer == 0:
             self._begin_pass(x.shape[0])
+        features = None
         if self._complete:  # a pass cut short, or begun mid-way, teaches nothing
             if self._at < 0:
-                self._learn_now(layer, x)
+                features = self._learn_now(layer, x)
             else:
                 self._hidden[layer, self._at:self._at + x.shape[0]] = x
         self._expect = (layer + 1) % self.layers
         if layer + 1 == self.layers:
             self._end_pass()
             return None
+        if features is not None:  # a long pass computed them to learn: the small map on them is cheaper
+            return torch.addmm(self.bias[layer], features.float(), self.weight[layer])
         return torch.addmm(self.fused_bias[layer], x, self.fused[layer])
 
     def _logits(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -130,12 +133,14 @@ class NextLayerRouter:
         logits = x @ project if offset is None else torch.addmm(offset, x, project)
         return logits, logits[:, self.experts:]
 
-    def _learn_now(self, layer: int, x: torch.Tensor) -> None:
-        """A long pass: each pair goes into the normal equations as its second layer arrives."""
+    def _learn_now(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:
+        """A long pass: each pair goes into the normal equations as its second layer arrives;
+        returns the layer's features (None for the last layer)."""
         features, own = self._logits(layer, x)
         if self._previous is not None and layer > 0:
             self._fold(layer - 1, self._previous, own)
         self._previous = features
+        return features
 
     def _begin_pass(self, rows: int) -> None:
         self._complete, self._pass_rows, self._previous = True, rows, None
