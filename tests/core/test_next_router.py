@@ -63,6 +63,23 @@ def test_it_learns_the_map_between_layers_that_the_raw_router_misses():
         assert fitted > 0.99 and raw < 0.6, (layer, fitted, raw)
 
 
+def test_a_decode_step_predicts_with_the_fit_folded_in_as_a_long_pass_does_with_its_features():
+    """Short passes predict with one matmul (the fit folded into the projection), long passes with
+    the features they compute to learn: the two agree, before and after fits, with biased routers."""
+    rs = routers(bias=True)
+    nr = NextLayerRouter(rs, first_fit=8, batch=16)
+    g = torch.Generator().manual_seed(3)
+    for step in range(30):
+        tokens = 20 if step % 5 == 0 else 1  # long passes (folded at once) among decode steps (buffered)
+        xs = [torch.randn(tokens, H, generator=g) for _ in range(LAYERS)]
+        for layer, x in enumerate(xs):
+            got = nr.observe(layer, x)
+            if layer + 1 < LAYERS:
+                logits = torch.cat([x @ rs[layer + 1].weight.T + rs[layer + 1].bias, x @ rs[layer].weight.T + rs[layer].bias], 1)
+                torch.testing.assert_close(got, logits @ nr.weight[layer] + nr.bias[layer], rtol=1e-4, atol=1e-4)
+    assert min(nr.fitted_at) > 0 and nr.samples[0] == 6 * 20 + 16  # the buffered decode steps folded in batches
+
+
 def test_it_refits_a_pair_when_its_samples_double_one_pair_a_pass():
     """Refits come when a pair's samples have doubled (at most every max_interval samples), and
     no pass refits more than one pair: no pass pays for all of them."""
