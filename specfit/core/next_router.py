@@ -6,8 +6,9 @@ layers. A small linear map, fitted on the target's own passes, closes most of th
 features are the two routers' logits on layer l's input, ``[x G_{l+1}^T, x G_l^T, 1]`` (2E + 1
 numbers: it fits from a few hundred tokens), and it is fitted by ridge regression towards the raw
 router (``W0 = [I; 0; 0]``: with no data it *is* the raw router) onto the logits layer l+1's router
-then computes on its own input. Each fit is folded into one ``[H, E]`` matrix, so a prediction is
-one matmul of layer l's input, like the raw router's.
+then computes on its own input. Each fit is folded into one ``[H, E]`` matrix, so a decode step's
+prediction is one matmul of layer l's input, like the raw router's (a long pass, which computes
+the features to learn from anyway, applies the small map to them).
 
 Measured offline on the demo target (fitted online on 16 held-out passages or questions of another
 seed, scored on 8 others, teacher-forced; top-4 recall of layer l+1's picks, layers 1-5):
@@ -103,10 +104,13 @@ class NextLayerRouter:
 
     def observe(self, layer: int, hidden: torch.Tensor) -> torch.Tensor | None:
         """Layer ``layer``'s expert input ``hidden`` [tokens, H]: learn from it, and predict layer
-        ``layer + 1``'s router logits [tokens, E] (None after the last layer). A short pass costs
-        one copy into the buffer and one matmul a layer."""
+        ``layer + 1``'s router logits [tokens, E] (None after the last layer), in ``self.dtype``
+        (float32 on a CPU, the routers' dtype elsewhere). A short pass costs one copy into the
+        buffer and one matmul a layer."""
         x = hidden.reshape(-1, hidden.shape[-1]).to(self.dtype)
-        if layer != self._expect:  # a pass that did not reach every layer: start again at its layer
+        if layer != self._expect or (layer and x.shape[0] != self._pass_rows):
+            # a pass that did not reach every layer (or another one begun where it stopped): start
+            # again at this layer, pairing nothing across the gap
             self._previous, self._complete = None, False
         if layer == 0:
             self._begin_pass(x.shape[0])
@@ -121,7 +125,7 @@ class NextLayerRouter:
             self._end_pass()
             return None
         if features is not None:  # a long pass computed them to learn: the small map on them is cheaper
-            return torch.addmm(self.bias[layer], features.float(), self.weight[layer])
+            return torch.addmm(self.bias[layer], features.float(), self.weight[layer]).to(self.dtype)
         return torch.addmm(self.fused_bias[layer], x, self.fused[layer])
 
     def _logits(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:

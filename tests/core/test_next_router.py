@@ -63,10 +63,11 @@ def test_it_learns_the_map_between_layers_that_the_raw_router_misses():
         assert fitted > 0.99 and raw < 0.6, (layer, fitted, raw)
 
 
-def test_a_decode_step_predicts_with_the_fit_folded_in_as_a_long_pass_does_with_its_features():
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_decode_step_predicts_with_the_fit_folded_in_as_a_long_pass_does_with_its_features(bias):
     """Short passes predict with one matmul (the fit folded into the projection), long passes with
-    the features they compute to learn: the two agree, before and after fits, with biased routers."""
-    rs = routers(bias=True)
+    the features they compute to learn: the two agree, before and after fits."""
+    rs = routers(bias=bias)
     nr = NextLayerRouter(rs, first_fit=8, batch=16)
     g = torch.Generator().manual_seed(3)
     for step in range(30):
@@ -75,7 +76,9 @@ def test_a_decode_step_predicts_with_the_fit_folded_in_as_a_long_pass_does_with_
         for layer, x in enumerate(xs):
             got = nr.observe(layer, x)
             if layer + 1 < LAYERS:
-                logits = torch.cat([x @ rs[layer + 1].weight.T + rs[layer + 1].bias, x @ rs[layer].weight.T + rs[layer].bias], 1)
+                logits = torch.cat([x @ rs[layer + 1].weight.T, x @ rs[layer].weight.T], 1)
+                if bias:
+                    logits += torch.cat([rs[layer + 1].bias, rs[layer].bias])
                 torch.testing.assert_close(got, logits @ nr.weight[layer] + nr.bias[layer], rtol=1e-4, atol=1e-4)
     assert min(nr.fitted_at) > 0 and nr.samples[0] == 6 * 20 + 16  # the buffered decode steps folded in batches
 
@@ -116,6 +119,18 @@ def test_a_pass_that_skips_a_layer_pairs_nothing_across_the_gap():
     nr.observe(1, torch.randn(4, H))
     nr.observe(2, torch.randn(4, H))
     assert nr._rows == 4
+
+
+def test_a_pass_begun_where_a_cut_one_stopped_pairs_nothing_with_it():
+    """A pass cut after layer 0, then another whose first call is layer 1 (as the runtime's layer
+    listener could see after an error mid-pass): its rows are not paired with the cut pass's."""
+    rs = routers()
+    for rows in (5, 40):  # buffered and long passes
+        nr = NextLayerRouter(rs)
+        nr.observe(0, torch.randn(rows, H))
+        nr.observe(1, torch.randn(rows + 2, H))  # another pass's tokens at the expected layer
+        nr.observe(2, torch.randn(rows + 2, H))
+        assert nr.samples == [0, 0] and nr._rows == 0
 
 
 def test_one_nan_does_not_spoil_the_fit_and_one_layer_is_refused():

@@ -50,8 +50,10 @@ fewer prefetches, and the misses back at 2.77). ``own`` folds an
 RMSNorm's scale into the router weight (:func:`fold_norm`): a positive factor per token does not
 change its top-k, so the hook is one matmul, a top-k and one host read.
 
-The look-ahead costs host time in every pass (on this CPU host about 0.25 ms a layer: the fitted
-router, the top-k and its host read, the requests' checks and the copies' issue), and it saves
+The look-ahead costs host time in every pass (on this CPU host 0.22-0.26 ms a layer for a decode
+step, 0.27-0.31 before the fitted router's prediction became one matmul: the fitted router, the
+top-k and its host read, the requests' checks and the copies' issue, a real memcpy of each expert
+on the emulated link), and it saves
 only the stall of the copies it brings in time. Where few copies remain (a cache holding most of
 what passes use) it can cost more than it saves. Its :class:`BenefitGate` (``gate``, on by
 default) weighs the two over windows of passes and pauses it while it does not pay. Measured on
