@@ -28,9 +28,9 @@ tokens (a prefill, a big tree) goes into the normal equations pair by pair as it
 shorter passes (AR steps, small trees) are buffered as raw expert inputs, one copy a layer, and
 their features are computed and folded in ``batch`` rows at a time: a decode step's hook is that
 copy and the prediction's matmul. Measured in the look-ahead's hook (demo target, AR, one process,
-alternating runs of the code before and after, 2026-12-07): 81-90 -> 55-59 us a layer. A pair refits whenever its
-samples have doubled (at most every ``max_interval`` samples), one pair per pass, so no pass pays
-for all of them; nothing here waits for the device.
+alternating runs of the code before and after, 2026-12-07): 81-92 -> 55-66 us a layer. A pair
+refits whenever its samples have doubled (at most every ``max_interval`` samples), one pair per
+pass, so no pass pays for all of them; nothing here waits for the device.
 
 What it predicts is the router's raw logits, whose top-k is the pick of a softmax router (Qwen3,
 Mixtral, OLMoE, gpt-oss). A router that ranks by something else (DeepSeek-V3's sigmoid scores
