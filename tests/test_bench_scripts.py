@@ -129,3 +129,24 @@ def test_real_dims_decode_compares_resident_lru_and_prefetch_with_identical_outp
     assert len({tuple(r["output_ids"]) for r in rows}) == 1 and len(set(rows[0]["output_ids"])) > 1  # sampled
     assert rows[0]["expert_cache_misses"] == 0 and rows[1]["expert_cache_misses"] > 0
     assert rows[2]["prefetch_issued"] > 0 and all(r["config"]["warmup"] == 1 for r in rows)
+
+
+def test_lookahead_cost_times_every_part_of_the_hook(capsys, tmp_path, monkeypatch):
+    """scripts/lookahead_cost.py on the demo pair, one prompt per workload: every part was timed
+    (a renamed method would leave its row at zero calls), and the nesting holds."""
+    import importlib.util
+
+    monkeypatch.setenv("SPECFIT_HOME", str(tmp_path))
+    spec = importlib.util.spec_from_file_location("lookahead_cost", ROOT / "scripts" / "lookahead_cost.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--prompts", "1", "--tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    rows = {}
+    for label, _ in script.PARTS:
+        line = next(line for line in out.splitlines() if line.strip().startswith(label))
+        us, per_token, ms = (float(v) for v in line.split()[-3:])
+        assert per_token > 0 and us > 0, line
+        rows[label] = ms
+    hook, router, copy = (rows[script.PARTS[i][0]] for i in (0, 1, 7))
+    assert router < hook and copy > 0
