@@ -23,6 +23,7 @@ import collections
 import time
 from typing import Any, Callable
 
+import specfit.core.offload as offload
 from specfit.api import build
 from specfit.config import compose
 from specfit.workloads import load_workload
@@ -68,8 +69,6 @@ def main(argv: list[str] | None = None) -> int:
                 calls[label] += 1
 
         setattr(owner, name, wrapper)
-
-    import specfit.core.offload as offload
 
     labels = [label for label, _ in PARTS]
     timed(prefetcher, "_prefetch_fitted", labels[0])

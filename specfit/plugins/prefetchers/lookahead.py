@@ -54,12 +54,13 @@ The look-ahead costs host time in every pass (on this CPU host 0.22-0.26 ms a la
 step, 0.27-0.31 before the fitted router's prediction became one matmul: the fitted router, the
 top-k and its host read, the requests' checks and the copies' issue, a real memcpy of each expert
 on the emulated link), and it saves only the stall of the copies it brings in time. Where few
-copies remain (a cache holding most of what passes use) it can cost more than it saves. Its :class:`BenefitGate` (``gate``, on by
-default) weighs the two over windows of passes and pauses it while it does not pay. Measured on
-the demo (AR, held-out prompts, 8 per workload x 2, one bench, paired, 2026-12-07): at
-``cache.capacity=16`` AR + look-ahead ran at 0.92x AR without the gate (stall 0.67 -> 0.06 ms a
-token) and 0.98x with it (paused in 75% of passes); at capacity 8 the gate never paused (1.05x,
-and 1.04x without it); at capacity 4 it paused in 2% of passes (1.14x, and 1.12x without it).
+copies remain (a cache holding most of what passes use) it can cost more than it saves. Its
+:class:`BenefitGate` (``gate``, on by default) weighs the two over windows of passes and pauses it
+while it does not pay. Measured on the demo (AR, held-out prompts, 8 per workload x 2, one bench,
+paired, 2026-12-07): at ``cache.capacity=16`` AR + look-ahead ran at 0.92x AR without the gate
+(stall 0.67 -> 0.06 ms a token) and 0.98x with it (paused in 75% of passes); at capacity 8 the
+gate never paused (1.05x, and 1.04x without it); at capacity 4 it paused in 2% of passes (1.14x,
+and 1.12x without it).
 """
 
 from __future__ import annotations
