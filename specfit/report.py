@@ -141,11 +141,21 @@ def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def run_label(row: dict[str, Any]) -> str:
+    """A row's method: the bench's name for it, else (``specfit generate``) what decoded: ``ar`` when
+    nothing drafted (the default selector is named even then), else the selector."""
+    if row.get("method"):
+        return str(row["method"])
+    if row.get("drafter") in (None, "none"):
+        return "ar"
+    return str(row.get("selector") or "run")
+
+
 def sweep_axes(rows: Sequence[dict[str, Any]]) -> list[str]:
     """Config keys whose value differs between runs of the same method (what a sweep varied)."""
     by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
-        by_method[r.get("method", r.get("selector", "run"))].append(_flat(r.get("config", {})))
+        by_method[run_label(r)].append(_flat(r.get("config", {})))
     axes: set[str] = set()
     for configs in by_method.values():
         keys = set().union(*configs)
@@ -158,7 +168,7 @@ def group(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         flat = _flat(r.get("config", {}))
-        label = r.get("method") or r.get("selector", "run")
+        label = run_label(r)
         key = (r.get("workload", "-"), label, *(json.dumps(flat.get(a)) for a in axes))
         groups[key].append(r)
     summary = []

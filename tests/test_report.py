@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from specfit.cli import main
-from specfit.report import sweep_axes, write_report
+from specfit.report import run_label, sweep_axes, write_report
 
 BENCH = ["model=tiny", "methods=[ar,eagle3_nocache]", "drafter.top_k=3", "drafter.depth=2", "drafter.total_tokens=4",
          "prompt_ids=[5,17,99]", "max_new_tokens=5", "cache.copy=emulated"]
@@ -80,6 +80,13 @@ def test_estimator_rows_of_several_traces_say_which_trace():
 def test_sweep_axes_are_what_differs_within_a_method():
     rows = [{"method": "ar", "config": {"cache": {"capacity": c, "name": "lru"}, "max_new_tokens": 8}} for c in (2, 4)]
     assert sweep_axes(rows) == ["cache.capacity"]
+
+
+def test_a_generate_row_is_labelled_by_what_decoded_not_the_default_selector():
+    # `specfit generate` rows carry no method; the base config names selector=eagle3 even without a drafter
+    assert run_label({"drafter": "none", "selector": "eagle3"}) == "ar"
+    assert run_label({"drafter": "eagle3", "selector": "specfit"}) == "specfit"
+    assert run_label({"method": "ar_prefetch", "drafter": "none", "selector": "none"}) == "ar_prefetch"
 
 
 def _importable(name: str) -> bool:
