@@ -243,6 +243,9 @@ def test_demo_runs_its_comparison_on_the_users_prompt(tmp_path, capsys):
           f"hydra.run.dir={tmp_path}"])
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["method"] for r in rows] == ["ar"] and rows[0]["num_output_tokens"] == 2
+    # the rows and the table say the prompt was the user's, not the demo's prompts file
+    assert (rows[0]["workload"], rows[0]["workload_kind"], rows[0]["workload_split"]) == ("inline", "inline", "prompt")
+    assert "workload inline (prompt)" in capsys.readouterr().out
 
 
 def test_sweep_jobs_expand_as_hydras_basic_sweeper():

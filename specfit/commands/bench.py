@@ -27,7 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from specfit.api import build
-from specfit.commands.generate import prompts_of
+from specfit.commands.generate import describe_prompts, prompts_of
 from specfit.config import TAKES_ALL_PROMPTS, compose, num_prompts_unused, override_key
 from specfit.errors import ConfigError
 from specfit.files import check_results_file, check_writable, read_jsonl, write_atomic
@@ -35,7 +35,6 @@ from specfit.progress import progress
 from specfit.config_messages import note_once
 from specfit.registry import get_plugins
 from specfit.results import append_jsonl, comparison_table, mean_stats, paired_fields, run_config, spec_bench_answers
-from specfit.workloads import describe
 
 
 def _config_name() -> str:
@@ -276,7 +275,7 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
                        for m in cfg.methods}
             any_cfg = next(iter(configs.values()))
             prompts = prompts_of(any_cfg)
-            about = describe(any_cfg.workload)
+            about = describe_prompts(any_cfg)
             done = _completed(results, configs) if cfg.resume else {}
             engines = {m: build(c, check_prompts=prompts) for m, c in configs.items()}
             for _ in range(cfg.warmup if prompts else 0):

@@ -33,6 +33,18 @@ def prompts_of(cfg: DictConfig) -> list[str | list[int]]:
     return prompts
 
 
+def describe_prompts(cfg: DictConfig) -> dict[str, str]:
+    """What results say of the prompts: the workload's name, kind and split, or, where a prompt given
+    on the command line replaced the workload's (``specfit demo prompt=...``), ``inline`` and its key."""
+    given = next((k for k in ("prompt", "prompt_ids", "prompt_file") if cfg.get(k) is not None), None)
+    if given is None:
+        from specfit.workloads import describe
+
+        return describe(cfg.workload)
+    split = f"prompt_file={cfg.prompt_file}" if given == "prompt_file" else given
+    return {"workload": "inline", "workload_kind": "inline", "workload_split": split}
+
+
 def read_prompt_file(path: str) -> str:
     """``prompt_file=PATH`` (``-``: standard input) as UTF-8 text: no shell quoting of the prompt needed.
 
