@@ -42,6 +42,12 @@ def one_line_config_error(exc: BaseException) -> str:
     owner = None if hint else _settings_of(exc)
     if owner is not None:  # not "Key 'objective' not in 'TopByPathProbSelectorConfig'": the plug-in the user chose
         message = re.sub(r"Key '[^']*' not in '[^']*'", owner, message)
+    ambiguous = re.match(r"Ambiguous value for argument '([^'=]+)=(.*?)' 1\. ", message)
+    if ambiguous:  # a comma: Hydra's three numbered readings, one of which is the user's
+        key, value = ambiguous.groups()
+        extra = "; a prompt can also come from prompt_file=PATH" if key == "prompt" else ""
+        message = (f"{key}={value}: a comma is ambiguous: a list is {key}=[A,B], a sweep needs -m, and one "
+                   f"string is quoted inside the shell's quotes: '{key}=\"...\"'{extra}")
     if _is_parse_error(exc) and "LexerNoViableAltException" in message:  # characters Hydra's grammar refuses
         message = message.replace("LexerNoViableAltException: ", "cannot parse ").split(" See https://")[0]
         message = message.removesuffix(" ^") + _quoting_hint(message)

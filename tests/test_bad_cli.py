@@ -173,6 +173,7 @@ CASES: list[tuple[str, str, str]] = [
     # an override Hydra's grammar refuses: how to quote it, with its own key
     ("generate model=tiny model.path=~/x prompt_ids=[1]", "cannot parse model.path=~/x (quote a value", EARLY),
     ("generate model=tiny 'prompt=a~b c'", "prompt_file=PATH", EARLY),
+    ("generate model=tiny 'prompt=He said, yes'", "a comma is ambiguous: a list is prompt=[A,B]", EARLY),
     # argparse stops reading settings at a flag between them: say that, not "unrecognized arguments"
     ("generate model=tiny --cfg job prompt_ids=[1]", "come after a Hydra flag that ends the settings", EARLY),
     ("generate --bogus", "unrecognized arguments: --bogus", EARLY),
