@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
+from specfit.core.copy_engines import COPY_KINDS  # cache.copy: the engines it builds
 from specfit.core.link_profiles import DEFAULT_PROFILE
 from specfit.errors import ConfigError
 from specfit.validation import optional_integer
-
-COPY_KINDS = ("triton", "torch", "emulated")  # cache.copy (specfit.core.copy_engines builds them)
 
 
 @dataclass
