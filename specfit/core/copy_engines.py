@@ -90,6 +90,7 @@ class CopyTicket:
     event: Any = None  # the copy stream's CUDA event (None off CUDA)
     waited: bool = False
     _row: Callable[[int], CopyTicket] | None = field(default=None, repr=False)
+    _settle: Callable[[], None] | None = field(default=None, repr=False)
 
     def wait(self) -> float:
         """Block (or make the compute stream wait) until the copy has landed; seconds blocked."""
@@ -97,6 +98,13 @@ class CopyTicket:
             return 0.0
         self.waited = True
         return self._wait()
+
+    def settle(self) -> None:
+        """Make ``seconds`` the copy's own time where it is still its enqueue time (a CUDA copy no
+        pass waited for: a prefetch evicted unused). Blocks the host on that copy's event alone and
+        leaves the compute stream as it is: for the run's statistics, once decoding is over."""
+        if not self.waited and self._settle is not None:
+            self._settle()
 
     def remaining(self) -> float:
         """Seconds until the copy lands, as far as the host knows (0.0 once it has)."""
@@ -350,7 +358,12 @@ def _cuda_ticket(dev: torch.device, timing: Timing, experts: int, nbytes: int, e
     def remaining() -> float:
         return 0.0 if done.query() else max(ticket.seconds, 1e-6)
 
-    ticket._wait, ticket._remaining = wait, remaining
+    def settle() -> None:
+        if start is not None:  # timed by events: the copy's time on the copy stream
+            done.synchronize()
+            ticket.seconds = start.elapsed_time(done) / 1e3
+
+    ticket._wait, ticket._remaining, ticket._settle = wait, remaining, settle
     return ticket
 
 

@@ -210,6 +210,7 @@ class Engine:
                 out.extend(tokens)
                 stats.cycles.append(record)
             stats.total_seconds = _now(self.device) - start
+            self.runtime.settle_copies()  # copies never waited for: their own time, not their enqueue time
             stats.cache = self.runtime.stats.since(decode_start)
         decode_ended(selector)  # what the selector learned is saved between decodes, not between tokens
         stats.output_tokens = len(out)

@@ -68,8 +68,8 @@ class CacheStats:
     prefetch_used: int = 0  # prefetched experts a pass then computed with before eviction
     prefetch_wasted: int = 0  # prefetched experts evicted before any pass used them
     issue_seconds: float = 0.0  # host time in the copy engine's issue calls (a CPU's memcpy; a GPU's launch)
-    # copies timed on the device when a pass waited for them (CUDA), and their seconds: a copy never
-    # waited (a prefetch evicted unused) keeps only its enqueue time in h2d_seconds
+    # copies timed on the device (CUDA) when a pass waited for them or the decode ended (settle_copies:
+    # a prefetch evicted unused), and their seconds; until then h2d_seconds holds their enqueue time
     timed_copies: int = 0
     timed_copy_seconds: float = 0.0
 
@@ -176,6 +176,8 @@ class OffloadRuntime:
         self._routing: list[torch.Tensor | None] = [None] * spec.num_layers
         # copies not yet waited on: {slot: ticket} per layer (the slot's row of its batch's ticket)
         self._pending: list[dict[int, CopyTicket]] = [{} for _ in range(spec.num_layers)]
+        # counted copies whose seconds may still be their enqueue time (CUDA, not yet waited): settle_copies
+        self._unsettled: dict[CopyTicket, None] = {}
         # prefetched experts no pass has used yet: {slot: expert} per layer
         self._prefetched: list[dict[int, int]] = [{} for _ in range(spec.num_layers)]
         self._computing: tuple[int, np.ndarray] = (-1, _NONE)  # layer now computing, every expert its pass needs
@@ -371,6 +373,8 @@ class OffloadRuntime:
             issued[slot] = expert  # with its ticket: waited before use
         if not count:
             return ticket
+        if ticket.event is not None:  # CUDA: charged its enqueue time until waited for, or settled
+            self._unsettled.update(dict.fromkeys(pending[slot] for _, slot in loads))
         self.stats.issue_seconds += issue_seconds
         self.stats.h2d_bytes += ticket.bytes
         self.stats.h2d_seconds += ticket.seconds
@@ -391,11 +395,26 @@ class OffloadRuntime:
             if ticket is not None:
                 measured = ticket.seconds
                 self.stats.h2d_stall_seconds += ticket.wait()
-                if ticket.seconds != measured:  # CUDA: the measured copy time replaces the enqueue time
-                    self.stats.h2d_seconds += ticket.seconds - measured
-                    self.stats.link_busy_seconds += ticket.seconds - measured
-                    self.stats.timed_copies += ticket.experts
-                    self.stats.timed_copy_seconds += ticket.seconds
+                self._unsettled.pop(ticket, None)
+                self._count_measured(ticket, measured)
+
+    def _count_measured(self, ticket: CopyTicket, counted: float) -> None:
+        """CUDA: the copy's measured time replaces the enqueue time ``counted`` for it."""
+        if ticket.seconds != counted:
+            self.stats.h2d_seconds += ticket.seconds - counted
+            self.stats.link_busy_seconds += ticket.seconds - counted
+            self.stats.timed_copies += ticket.experts
+            self.stats.timed_copy_seconds += ticket.seconds
+
+    def settle_copies(self) -> None:
+        """Count the measured time of every copy no pass waited for (CUDA: a prefetch evicted unused,
+        or one still pending), in place of its enqueue time. The engine calls it when a decode ends,
+        before reading the statistics; off CUDA every ticket's time is final already."""
+        for ticket in list(self._unsettled):
+            counted = ticket.seconds
+            ticket.settle()
+            self._count_measured(ticket, counted)
+        self._unsettled.clear()
 
     def _repair(self, layer: int) -> None:
         """After an exception mid-layer or mid-prefetch: copy, synchronously, every expert of

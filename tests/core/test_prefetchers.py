@@ -437,6 +437,37 @@ def test_on_a_device_link_one_copy_takes_what_the_waited_copies_were_timed_at():
     assert engine.prefetch_sink.expert_seconds() == pytest.approx(2e-3)
 
 
+def test_copies_no_pass_waited_for_are_charged_their_own_time_when_the_decode_ends():
+    """A CUDA ticket holds its enqueue time until waited for; a prefetch evicted unused never is.
+    When the decode ends the runtime settles such tickets (their event's time on the copy stream),
+    so h2d_seconds and link_busy_seconds count every copy at its copy time, waited or not."""
+
+    class DeviceLike(TorchCopyEngine):
+        def issue(self, *args, **kwargs):  # noqa: ANN002, ANN003
+            real = super().issue(*args, **kwargs)
+            ticket = CopyTicket(real.experts, real.bytes, 1e-6 * real.experts, real.ready_at,
+                                _remaining=lambda: 0.0, event=object())  # an event: a device's copy
+
+            def measure() -> float:
+                ticket.seconds = 2e-3 * ticket.experts
+                return 0.0
+
+            ticket._wait, ticket._settle = measure, measure
+            return ticket
+
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=3), prefetcher=LookaheadPrefetcher(gate=False),
+                    device="cpu", copy=DeviceLike("cpu"), selector=NoDraftSelector())
+    out = engine.generate(PROMPT, max_new_tokens=N)
+    stats = engine.runtime.stats
+    assert out.stats["prefetch_wasted"] > 0
+    copied = stats.h2d_bytes / engine.spec.expert_bytes
+    assert stats.timed_copies == copied  # every copy's time measured: the unwaited ones' too
+    assert stats.h2d_seconds == pytest.approx(2e-3 * copied) == stats.link_busy_seconds
+    decode_copies = (out.stats["expert_cache_misses"] + out.stats["prefetch_issued"])
+    assert out.stats["h2d_seconds"] == pytest.approx(2e-3 * decode_copies)
+    assert not engine.runtime._unsettled  # settled once: a later wait adds nothing twice
+
+
 def test_the_gate_is_off_on_cuda_and_says_so(capsys, monkeypatch):
     """On CUDA a hook's host read waits for queued GPU work: its wall time is not the look-ahead's cost."""
     prefetcher = LookaheadPrefetcher()
