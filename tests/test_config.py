@@ -70,6 +70,24 @@ def test_a_command_line_group_choice_wins_over_a_method_preset(capsys):
     assert "predictor=oracle replaces method specfit's predictor=history" in capsys.readouterr().err
 
 
+def test_the_command_line_changing_a_methods_preset_is_noted(capsys):
+    """A key the preset sets otherwise, or a part group it leaves to the base config, is changed for
+    that method too: said, since the row keeps the method's name (``specfit_nogate`` with its gate on,
+    ``ar`` prefetching beside ``ar_prefetch``)."""
+    from specfit.commands.bench import method_config
+
+    cfg = specfit.compose(["model=tiny", "methods=[ar,specfit_nogate]"])
+    gated = method_config(cfg, "specfit_nogate", None, ["selector.draft_gate=true"])
+    assert gated.selector.draft_gate is True
+    ar = method_config(cfg, "ar", None, ["prefetch=lookahead"])
+    assert ar.prefetch.name == "lookahead"
+    err = capsys.readouterr().err
+    assert "selector.draft_gate=true replaces method specfit_nogate's selector.draft_gate=false" in err
+    assert "prefetch=lookahead applies to method ar too (its preset leaves prefetch to the base config)" in err
+    method_config(cfg, "specfit_nogate", None, ["selector.draft_gate=false", "model=demo"])  # as the preset: silent
+    assert "specfit_nogate" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("overrides", "note"), [
     (["cache.copy=torch", "cache.link.bandwidth_gbps=10"], "cache.copy=torch copies over the real link, so cache.link"),
     (["cache=full", "cache.capacity=4"], "cache=full gives every expert a slot, so cache.capacity is unused"),

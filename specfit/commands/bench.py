@@ -63,14 +63,25 @@ def method_config(cfg: DictConfig, method: str, workload: str | None, overrides:
         return compose(preset + usable + last, config_name=_config_name())
 
 
+# the groups method presets choose their parts with: a command-line choice of one reaches every method
+PART_GROUPS = ("drafter", "selector", "cost_model", "predictor", "acceptance", "cache", "prefetch")
+
+
 def note_replaced_choices(method: str, preset: list[str], overrides: list[str]) -> None:
-    """Say once (stderr) when a command-line group choice replaces the one a method's preset makes
-    (``cache=lru`` gives ``ar_nocache`` a cache): the user asked for it, but may not know it."""
-    chosen = dict(o.split("=", 1) for o in preset if "=" in o and "." not in o.split("=", 1)[0])
+    """Say once (stderr) where the command line changes what a method's preset makes of it: a group
+    or key the preset sets otherwise (``cache=lru`` gives ``ar_nocache`` a cache,
+    ``selector.draft_gate=true`` turns ``specfit_nogate``'s gate on), or a part group the preset leaves
+    to the base config (``prefetch=auto`` makes ``ar`` prefetch too, pairing it with ``ar_prefetch``).
+    The user asked for it, but may not know it."""
+    chosen = dict(o.lstrip("+").split("=", 1) for o in preset if "=" in o)
     for o in overrides:
-        group, _, value = o.partition("=")
-        if group in chosen and chosen[group] != value:
-            note_once(f"{o} replaces method {method}'s {group}={chosen[group]}")
+        key, sep, value = o.lstrip("+").partition("=")
+        if not sep:
+            continue
+        if key in chosen and chosen[key] != value:
+            note_once(f"{o} replaces method {method}'s {key}={chosen[key]}")
+        elif key in PART_GROUPS and key not in chosen:
+            note_once(f"{o} applies to method {method} too (its preset leaves {key} to the base config)")
 
 
 def without_unused_cost_model(cfg: DictConfig) -> DictConfig:
