@@ -439,3 +439,13 @@ def test_a_state_that_is_not_json_is_one_line_not_an_error(tmp_path, capsys):
     keeper.tick()  # marks it dirty; the interval has not passed
     keeper.save()
     assert "acceptance 'odd' state() is not JSON" in capsys.readouterr().err and not (tmp_path / "s.json").exists()
+
+
+def test_every_estimator_answers_a_tree_with_no_nodes():
+    """A cycle that drafted nothing (plain decoding, a trace recorded with drafter=none) has an empty tree."""
+    from specfit.plugins.acceptance.calibrated import CalibratedAcceptance
+    from specfit.plugins.acceptance.learned import LearnedAcceptance
+    from specfit.plugins.acceptance.path_prob import PathProbAcceptance
+
+    for estimator in (PathProbAcceptance(), CalibratedAcceptance(), LearnedAcceptance()):
+        assert np.asarray(estimator.estimate(DraftTree(root_token=1))).shape == (0,)

@@ -90,6 +90,18 @@ def test_fit_acceptance_names_a_missing_held_out_trace(trace_dir, tmp_path, caps
     assert info.value.code == 2 and "held_out=/nonexistent: no such directory" in capsys.readouterr().err
 
 
+def test_fit_acceptance_names_a_held_out_trace_with_nothing_drafted(trace_dir, tmp_path, capsys):
+    plain = tmp_path / "plain"
+    main(["record", "model=tiny", "drafter=none", "~cost_model", "prompt_ids=[5,17,99,3]", "max_new_tokens=4",
+          f"trace.path={plain}", f"hydra.run.dir={tmp_path / 'rec'}"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(["fit-acceptance", f"trace.path={trace_dir}", f"held_out=[{plain}]", f"out_dir={tmp_path / 'fit'}",
+              f"hydra.run.dir={tmp_path / 'run'}"])
+    assert info.value.code == 2
+    assert f"held_out=['{plain}']: no drafted trees to score the estimators on" in capsys.readouterr().err
+
+
 def test_fit_acceptance_refuses_its_trace_as_held_out_and_notes_another_model(trace_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as info:  # the same trace, by another spelling of its path
         main(["fit-acceptance", f"trace.path={trace_dir}", f"held_out=[{trace_dir}/../{trace_dir.name}]",

@@ -39,7 +39,7 @@ class CalibratedAcceptance(AcceptanceEstimatorBase):
         self.seen = np.zeros(shape)
 
     def _bins(self, tree: DraftTree, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        depth = np.minimum(np.asarray(tree.depths)[nodes], self.seen.shape[0] - 1)
+        depth = np.minimum(np.asarray(tree.depths, dtype=np.int64)[nodes], self.seen.shape[0] - 1)  # [] stays int
         logp = np.asarray(tree.path_log_probs)[nodes] / np.log(10)
         b = np.clip((-logp * self.per_decade).astype(int), 0, self.seen.shape[1] - 1)
         return depth, b
