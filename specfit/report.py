@@ -118,6 +118,8 @@ def _check_runs(f: Path, rows: Sequence[dict[str, Any]]) -> None:
     lines = [n for n, line in enumerate(f.read_bytes().decode("utf-8").split("\n"), 1) if line.strip()]
     for n, row in zip(lines, rows):
         if "output_throughput" not in row:
+            if row.get("command") in ("bench", "generate"):  # a decoding run the tables would drop unsaid
+                raise ConfigError(f"report: {f} line {n}: a {row['command']} row without output_throughput")
             continue
         for key in ("num_output_tokens", "total_seconds"):
             if key not in row:
@@ -128,6 +130,9 @@ def _check_runs(f: Path, rows: Sequence[dict[str, Any]]) -> None:
                 raise ConfigError(f"report: {f} line {n}: {key}={json.dumps(value)[:40]} is not a number")
         if not isinstance(row.get("config", {}), dict):
             raise ConfigError(f"report: {f} line {n}: config is not an object")
+        for key in ("workload", "method"):  # table titles and row labels
+            if key in row and not isinstance(row[key], str):
+                raise ConfigError(f"report: {f} line {n}: {key}={json.dumps(row[key])[:40]} is not a name")
 
 
 def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
