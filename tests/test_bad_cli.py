@@ -219,6 +219,9 @@ CASES: list[tuple[str, str, str]] = [
     ("replay trace.path=/nope/trace sampling.temperature=0.5", "sampling.temperature: specfit replay", EARLY),
     ("replay trace.path=/nope/trace max_new_tokens=2", "max_new_tokens: specfit replay", EARLY),
     ("replay trace.path=/nope/trace workload=prose", "workload: specfit replay", EARLY),
+    ("replay trace.path=/nope/trace cache.link.bandwidth_gbps=1", "cache.link.bandwidth_gbps: specfit replay copies "
+     "nothing and charges every cycle with its cost model", EARLY),
+    ("replay trace.path=/nope/trace cache.copy=torch", "cache.copy: specfit replay copies nothing", EARLY),
     ("calibrate model=tiny cost_model=nope", "cost_model/nope", EARLY),
     ("calibrate model=tiny max_new_tokens=0", "max_new_tokens", EARLY),
     ("train-target nope=1", "nope", EARLY),

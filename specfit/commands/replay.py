@@ -105,12 +105,20 @@ _NOT_REPLAYED_HINTS = {"warmup": "; replay.warmup sets the replay's warm-up cycl
                        "sampling": "; traces are recorded greedily"}
 
 
+# the live copy engine's keys: a replay copies nothing and charges each copy with its cost model
+_NOT_CHARGED = ("cache.copy", "cache.link")
+
+
 def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[str, Any]]:
     if not cfg.trace.path:
         raise ConfigError("set trace.path=DIR: a trace written by `specfit record`")
     for o in overrides:
         key = override_key(o)
         group = key.split(".", 1)[0]
+        if any(key == k or key.startswith(k + ".") for k in _NOT_CHARGED):
+            raise ConfigError(f"{key}: specfit replay copies nothing and charges every cycle with its cost model (the "
+                              f"calibration the trace names, replay.cost_profile=..., or cost_model.c_miss=... and the "
+                              f"other constants), so {key} does not apply")
         if group in _NOT_REPLAYED:
             hint = _NOT_REPLAYED_HINTS.get(group, f"; record a trace with it (specfit record {o})")
             raise ConfigError(f"{key}: specfit replay replays the prompts and greedy output recorded in the trace, "
