@@ -17,6 +17,9 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from specfit.config_messages import note_once
+
+
 @dataclass
 class FrozenTargetSettings:
     """Where and how a command that only runs the frozen target does so (distill-data, fit-probe)."""
@@ -191,3 +194,8 @@ def check_trainer_config(cfg: Any) -> None:
             path = Path(str(name)).expanduser()
             if not path.is_file():
                 raise ConfigError(f"{key}: {name}: {'is a directory, not a file' if path.exists() else 'no such file'}")
+    trained = {Path(str(n)).expanduser().resolve() for n in getattr(cfg, "train_files", None) or ()}
+    for name in getattr(cfg, "eval_files", None) or ():  # scores on training rows flatter the fit: say so
+        if Path(str(name)).expanduser().resolve() in trained:
+            note_once(f"eval_files: {name} is also in train_files, so the held-out figures are on training rows "
+                      "(leave eval_files empty for the trainer's own held-out split)")

@@ -178,7 +178,8 @@ def fit_probe(cfg: FitProbeConfig) -> Path:
     probe.metrics = {"config": asdict(cfg), **result}
     if not all(bool(torch.isfinite(t).all()) for t in (probe.mean, probe.scale, probe.weight, probe.bias)):
         raise ConfigError("fit-probe: the fit diverged (non-finite weights); raise l2, or check the rows")
+    replaced = (Path(cfg.head_dir).expanduser() / PROBE_FILE).is_file()
     path = save_probe(probe, Path(cfg.head_dir).expanduser())
     print(json.dumps(result))
-    print(f"fit-probe: wrote {path}")
+    print(f"fit-probe: wrote {path}" + (" (replacing the probe it held)" if replaced else ""))
     return path

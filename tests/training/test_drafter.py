@@ -382,6 +382,16 @@ def test_fit_probe_names_a_bad_setting(settings, message, tmp_path, monkeypatch)
         FitProbeConfig(**settings)
 
 
+def test_eval_rows_that_are_training_rows_are_noted(tmp_path, monkeypatch, capsys):
+    from specfit.training.probe import FitProbeConfig
+
+    monkeypatch.chdir(tmp_path)
+    np.save(tmp_path / "x.npy", np.zeros((2, 8), dtype=np.int64))
+    FitProbeConfig(train_files=["x.npy"], eval_files=[str(tmp_path / "x.npy")])  # one file, spelt two ways
+    err = capsys.readouterr().err
+    assert f"eval_files: {tmp_path / 'x.npy'} is also in train_files, so the held-out figures are on training" in err
+
+
 def test_fit_probe_names_a_missing_target_or_head_by_its_key(patterned, tmp_path):
     from specfit.errors import ModelError
     from specfit.training.probe import FitProbeConfig, fit_probe
