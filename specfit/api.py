@@ -178,9 +178,14 @@ def _attach_calibration(engine: Engine, prompts: Sequence[Any] | None) -> None:
     if path.is_file():
         version = stored_fit_version(path)
         poor = stored_poor_fit(path)
-        if (version is None or version >= FIT_VERSION) and poor is None:  # a broken file: load_constants names it
-            model.set_constants(load_constants(path))
-            return
+        if (version is None or version >= FIT_VERSION) and poor is None:
+            try:
+                model.set_constants(load_constants(path))
+                return
+            except ConfigError as exc:  # damaged: named as this setup's stored file, not a key the user set
+                raise ConfigError(f"the stored calibration of this setup, {path} (cost_model.calibration=auto, under "
+                                  f"$SPECFIT_HOME), is damaged: {str(exc).split(': ', 1)[-1]}; delete it to measure "
+                                  f"again, or run `specfit calibrate`") from None
         why = (f"was fitted by an older specfit (fit version {version} < {FIT_VERSION})" if poor is None else
                f"predicts its cycle times poorly (held-out median error {poor:.0%}: the host was busy)")
         print(f"specfit: the stored calibration {path} {why}; measuring it again", file=sys.stderr)

@@ -179,7 +179,8 @@ def test_a_calibration_fitted_by_an_older_specfit_is_measured_again(tmp_path, mo
     assert engine.cost_model.constants.c0 != 123.0
     assert json.loads(path.read_text())["fit_version"] == FIT_VERSION
     path.write_text('{"constants": {"c0": 1,')  # damaged, not old: named, not silently measured again
-    with pytest.raises(ConfigError, match="not valid JSON"):
+    with pytest.raises(ConfigError, match=f"stored calibration of this setup, {path} .*is damaged: not valid JSON.* "
+                                          "delete it to measure again"):
         specfit.build(specfit.compose(overrides))
 
 
