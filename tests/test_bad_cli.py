@@ -174,6 +174,8 @@ CASES: list[tuple[str, str, str]] = [
     ("generate model=tiny model.path=~/x prompt_ids=[1]", "cannot parse model.path=~/x (quote a value", EARLY),
     ("generate model=tiny 'prompt=a~b c'", "prompt_file=PATH", EARLY),
     ("generate model=tiny 'prompt=He said, yes'", "a comma is ambiguous: a list is prompt=[A,B]", EARLY),
+    ("bench model=tiny prompt_ids=[1] '+method_presets.mine=[selector=chain]' methods=[mine]",
+     "an entry holding '=' is quoted inside the list", EARLY),
     # argparse stops reading settings at a flag between them: say that, not "unrecognized arguments"
     ("generate model=tiny --cfg job prompt_ids=[1]", "come after a Hydra flag that ends the settings", EARLY),
     ("generate --bogus", "unrecognized arguments: --bogus", EARLY),
