@@ -460,7 +460,9 @@ def _prefetch_summary(prefetcher: Any, sink: ModelledSink | None) -> dict[str, A
     """The prefetcher's counts on the modelled link, and a note on what was not replayed."""
     if prefetcher is None or sink is None:
         return {}
-    notes = ["prefetch modelled on the replay's link (expert_seconds = c_miss - c_hit per copy, FIFO)", *sink.notes]
+    modelled = "prefetch modelled on the replay's link (expert_seconds = c_miss - c_hit per copy, FIFO)"
+    # a prefetcher that replays nothing (lookahead: live hidden states only) gets its own note alone
+    notes = list(sink.notes) if sink.notes and not sink.counts.issued else [modelled, *sink.notes]
     return {
         "prefetch": guard.plugin_name(prefetcher),
         "prefetch_time": "modelled",

@@ -858,6 +858,9 @@ def test_replay_models_draft_prefetch_and_says_lookahead_is_not_replayed():
     assert "prefetch" not in plain.summary()
     auto = run(AutoPrefetcher()).summary()
     assert "lookahead needs the target's live hidden states: it is not replayed" in auto["prefetch_note"]
+    alone = run(LookaheadPrefetcher()).summary()  # nothing of it replays: its note alone, no "modelled"
+    assert alone["prefetch_issued"] == 0 and "modelled" not in alone["prefetch_note"]
+    assert "it is not replayed" in alone["prefetch_note"]
 
 
 def test_specfit_replay_prints_that_prefetch_is_modelled(tmp_path, capsys):
