@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from specfit.config import override_key
+from specfit.config_messages import note_once
 from specfit.core.acceptance_estimators import attach_acceptance, note_state_file_setup
 from specfit.core.cost_profiles import cost_profile
 from specfit.plugins.cost_models.union import OVERRIDES as COST_OVERRIDES
@@ -137,6 +138,9 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
     draft_time = draft_time_mode(str(cfg.replay.draft_time))  # "recorded" is the earlier name of "measured"
     profile = cfg.replay.get("cost_profile")
     if profile is not None:  # another machine's constants: its drafting time is modelled too
+        if draft_time == "measured" and any(override_key(o) == "replay.draft_time" for o in overrides):
+            note_once(f"replay.cost_profile={profile} models the drafting time too: replay.draft_time=measured "
+                      "(this host's drafting) does not apply")
         draft_time = "modelled"
     warmup = int(cfg.replay.warmup) if draft_time == "measured" else 0
     given = cfg.model.path or cfg.model.builtin
@@ -203,7 +207,7 @@ def _print_header(trace: Trace, cfg: DictConfig) -> None:
     for note in trace.notes:  # e.g. a format-1 trace: what the learned estimator falls back on
         print(f"note: {note}")
     report = meta.calibration or {}
-    if "cycle_time_ape_median" in report:
+    if "cycle_time_ape_median" in report and cfg.replay.get("cost_profile") is None:  # a profile charges its own
         print(f"cost model error at calibration (held-out cycles): median "
               f"{100 * report['cycle_time_ape_median']:.1f}%, p90 {100 * report['cycle_time_ape_p90']:.1f}%")
 

@@ -31,9 +31,11 @@ def rows_of(path):
 
 def test_replay_with_a_profile_charges_its_constants_and_says_time_is_modelled(trace_dir, tmp_path, capsys):
     main(["replay", f"trace.path={trace_dir}", "methods=[ar,specfit_learned]", "cache.capacity=4", "replay.oracle=false",
-          f"replay.cost_profile={PROFILE}", "cost_model.c_tok=0.001", f"hydra.run.dir={tmp_path}"])
-    out = capsys.readouterr().out
+          f"replay.cost_profile={PROFILE}", "cost_model.c_tok=0.001", "replay.draft_time=measured",
+          f"hydra.run.dir={tmp_path}"])
+    out, err = capsys.readouterr()
     assert f"time: modelled on cost profile {PROFILE}" in out and "draft time: modelled" in out
+    assert f"replay.cost_profile={PROFILE} models the drafting time too: replay.draft_time=measured" in err
     assert "with cost_model.c_tok as given, not measured" in out  # the header says the profile was not all
     rows = {r["method"]: r for r in rows_of(tmp_path / "results.jsonl")}
     profile = COST_PROFILES[PROFILE].constants
