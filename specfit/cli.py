@@ -260,6 +260,8 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
     flags = _hydra_args(args)
     is_query = flags.help or flags.hydra_help or flags.cfg or flags.info or flags.shell_completion
     elsewhere = flags.config_path or flags.config_name or flags.config_dir or flags.experimental_rerun
+    if command in METHOD_COMMANDS and not (is_query or elsewhere or flags.multirun):
+        args = _fold_method_overrides(args, config_name)
     if not (is_query or elsewhere or flags.multirun):
         # one clear line for a bad key or value, before Hydra starts and before any model is built
         values = _override_values(args)
@@ -294,6 +296,22 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
             os.environ["HYDRA_FULL_ERROR"] = full_error
+
+
+# commands that compare methods (methods=[...], method_presets)
+METHOD_COMMANDS = ("bench", "demo", "replay")
+
+
+def _fold_method_overrides(args: list[str], config_name: str) -> list[str]:
+    """``args`` with the overrides only some methods have moved into their presets
+    (:func:`specfit.commands.bench.fold_method_overrides`); flags and ``hydra.*`` keys stay as they are."""
+    from specfit.commands.bench import fold_method_overrides
+
+    plain = plain_overrides(args)
+    folded = fold_method_overrides(plain, config_name)
+    if folded is plain:
+        return args
+    return [a for a in args if a not in plain or a in folded] + [o for o in folded if o not in args]
 
 
 # groups only some commands read: given to another, they would change nothing without a word

@@ -248,6 +248,17 @@ def test_demo_runs_its_comparison_on_the_users_prompt(tmp_path, capsys):
     assert "workload inline (prompt)" in capsys.readouterr().out
 
 
+def test_a_key_only_some_methods_have_reaches_them_through_their_presets(tmp_path):
+    """The base's prefetch=none has no gate, ar_prefetch's prefetch=auto has: Hydra composes the base
+    with every override first, so the override joins the presets that take it instead of failing."""
+    main(["bench", "model=tiny", "prompt_ids=[1,2,3]", "methods=[ar,ar_prefetch]", "prefetch.gate=false",
+          "prefetch.source=own", "max_new_tokens=2", f"hydra.run.dir={tmp_path}"])
+    rows = {r["method"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
+    assert rows["ar"]["config"]["prefetch"] == {"name": "none"}
+    assert rows["ar_prefetch"]["config"]["prefetch"]["gate"] is False
+    assert rows["ar_prefetch"]["config"]["prefetch"]["source"] == "own"
+
+
 def test_sweep_jobs_expand_as_hydras_basic_sweeper():
     from specfit.cli import sweep_jobs
 

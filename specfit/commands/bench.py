@@ -99,9 +99,41 @@ def without_unused_cost_model(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
-def _composes(overrides: list[str]) -> bool:
+def fold_method_overrides(overrides: list[str], config_name: str) -> list[str]:
+    """``overrides`` with each one that only some methods' parts have moved into those methods' presets.
+
+    Hydra composes the base config with every override before the job starts, so
+    ``methods=[ar,ar_prefetch] prefetch.gate=false`` would fail there (the base's ``prefetch=none``
+    has no gate) although it is meant for ``ar_prefetch``, whose ``prefetch=auto`` has one. Such an
+    override joins the presets it composes with (``method_presets.ar_prefetch=[..., "prefetch.gate=false"]``),
+    so each method's recorded config says what it ran with; one no method takes is left as it was,
+    for the usual one-line error.
+    """
+    if _composes(overrides, config_name):
+        return overrides
+    kept: list[str] = []
+    deferred: list[str] = []
+    for o in overrides:  # in order: a group choice (prefetch=auto) lets its keys compose after it
+        (kept if _composes(kept + [o], config_name) else deferred).append(o)
+    cfg = compose(kept, config_name=config_name)
+    presets = {str(m): list(cfg.method_presets[m]) for m in cfg.get("methods") or () if m in cfg.method_presets}
+    grown: dict[str, list[str]] = {}
+    for o in deferred:
+        for m, preset in presets.items():
+            if _composes(preset + kept + [o], config_name):
+                grown.setdefault(m, list(preset)).append(o)
+    moved = {o for preset in grown.values() for o in preset if o in deferred}
+    if not moved:
+        return overrides
+    rest = [o for o in overrides if o not in moved and override_key(o) not in {f"method_presets.{m}" for m in grown}]
+    added = {override_key(o) for o in overrides if o.startswith("+method_presets.")}  # presets new on the command line
+    return rest + [f"{'+' if f'method_presets.{m}' in added else ''}method_presets.{m}="
+                   f"[{','.join(json.dumps(e, ensure_ascii=False) for e in preset)}]" for m, preset in grown.items()]
+
+
+def _composes(overrides: list[str], config_name: str | None = None) -> bool:
     try:
-        compose(overrides, config_name=_config_name())
+        compose(overrides, config_name=config_name or _config_name())
         return True
     except ConfigError:
         return False
