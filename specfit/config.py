@@ -399,6 +399,8 @@ def unused_setting_notes(cfg: DictConfig) -> list[str]:
         key = "cache.capacity" if cache.capacity is not None else "cache.capacity_bytes"
         notes.append(f"cache=full gives every expert a slot, so {key} is unused")
     prefetch = cfg.get("prefetch")
+    if prefetch is not None and prefetch.name != "none" and cache is not None and cache.name == "full":
+        notes.append(f"cache=full holds every expert, so prefetch={prefetch.name} has nothing to copy")
     if prefetch is not None and prefetch.name == "draft" and not drafting:
         notes.append("prefetch=draft prefetches while drafting, and this run drafts nothing (drafter=none): "
                      "no prefetches; prefetch=lookahead or auto prefetch in plain decoding")

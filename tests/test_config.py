@@ -91,6 +91,7 @@ def test_the_command_line_changing_a_methods_preset_is_noted(capsys):
 @pytest.mark.parametrize(("overrides", "note"), [
     (["cache.copy=torch", "cache.link.bandwidth_gbps=10"], "cache.copy=torch copies over the real link, so cache.link"),
     (["cache=full", "cache.capacity=4"], "cache=full gives every expert a slot, so cache.capacity is unused"),
+    (["cache=full", "prefetch=lookahead"], "cache=full holds every expert, so prefetch=lookahead has nothing to copy"),
     (["prefetch=draft"], "prefetch=draft prefetches while drafting, and this run drafts nothing"),
     (["prefetch=draft", "drafter=eagle3", "selector=eagle3"], "no predictor is set: it prefetches nothing"),
     (["prefetch=auto", "drafter=eagle3", "selector=eagle3"], "no predictor is set: its draft half prefetches nothing"),

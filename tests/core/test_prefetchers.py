@@ -234,6 +234,8 @@ def test_lookahead_picks_sets_how_many_experts_each_token_prefetches():
         LookaheadPrefetcher(picks=0)
     with pytest.raises(ConfigError, match="prefetch.picks=99"):
         Engine(tiny_model(), prefetcher=LookaheadPrefetcher(picks=99), device="cpu", selector=NoDraftSelector())
+    with pytest.raises(ConfigError, match="prefetch.keep=99 is more than the model's"):
+        Engine(tiny_model(), prefetcher=LookaheadPrefetcher(keep=99), device="cpu", selector=NoDraftSelector())
 
 
 def test_lookahead_folds_the_rmsnorm_into_the_router_and_picks_the_same_experts():
