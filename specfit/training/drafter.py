@@ -318,6 +318,10 @@ def _npy_documents(path: str, key: str = "train_files", vocab_size: int | None =
     """A token file's documents; a file that is not an integer token array in range is one line
     naming ``key`` and the file (a float array cast to ids would train on nonsense, silently)."""
     try:
+        with open(path, "rb") as f:
+            magic = f.read(6)
+        if magic != b"\x93NUMPY":  # np.load takes any other bytes for a pickle and says so: misleading
+            raise ValueError("no .npy header: not a file np.save wrote")
         arr = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as exc:
         raise ConfigError(f"{key}: {path} is not a NumPy token array ({type(exc).__name__}: {exc})") from None
