@@ -189,6 +189,8 @@ CASES: list[tuple[str, str, str]] = [
      "use workload.max_prompts=3", EARLY),
     # bench, demo, record, replay, calibrate, trainers
     ("bench model=tiny prompt_ids=[1] methods=[nope]", "nope", EARLY),
+    ("bench model=tiny prompt_ids=[1] methods=[ar,eagle3,ar]", "methods=['ar', 'eagle3', 'ar'] names ar more than once",
+     EARLY),
     ("bench model=tiny prompt_ids=[1] methods=ar", "methods=ar: methods takes a list: methods=[ar]", EARLY),
     ("replay trace.path=/nope replay.cost_profile=gpu-like cost_model.calibration=/tmp/c.json",
      "cost_model.calibration and replay.cost_profile=gpu-like both set", EARLY),  # the calibration was ignored

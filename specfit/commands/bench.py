@@ -148,7 +148,11 @@ def check_preset(method: str, preset: list[str]) -> None:
 
 
 def check_overrides(cfg: DictConfig, overrides: list[str]) -> None:
-    """Each override must apply to at least one method (a typo is an error)."""
+    """Each method is named once, and each override applies to at least one of them (a typo is an error)."""
+    twice = sorted({str(m) for m in cfg.methods if list(cfg.methods).count(m) > 1})
+    if twice:
+        raise ConfigError(f"methods={list(cfg.methods)} names {', '.join(twice)} more than once: rows are labelled by "
+                          "method, so a second run of one would be indistinguishable (use repeats=N for more runs)")
     if any(_composes(list(cfg.method_presets.get(m, [])) + overrides) for m in cfg.methods):
         return  # one method takes them all: one composition instead of one per override and method
     for m in cfg.methods:  # a broken preset is the preset's fault, not the first override's
