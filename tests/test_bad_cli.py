@@ -216,6 +216,8 @@ CASES: list[tuple[str, str, str]] = [
     ("demo repeats=0", "repeats", EARLY),
     ("demo +foo=1", "'foo'", EARLY),
     ("record model=tiny prompt_ids=[1] max_new_tokens=2 sampling.temperature=1", "sampling.temperature", EARLY),
+    ("record model=tiny prompt_ids=[1] max_new_tokens=2 resume=true trace.overwrite=true",
+     "resume=true continues the trace at trace.path and trace.overwrite=true replaces it: give one", EARLY),
     ("replay", "trace.path", EARLY),
     ("replay trace.path=/nope/trace", "trace.path", EARLY),
     ("replay trace.path=/nope/trace replay.draft_time=foo", "replay.draft_time", EARLY),

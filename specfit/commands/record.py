@@ -33,6 +33,9 @@ def run(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
     if cfg.sampling.temperature != 0:
         raise ConfigError("specfit record needs greedy decoding (sampling.temperature=0): under sampling the "
                           "output depends on the selector, so no trace replays exactly")
+    if cfg.resume and cfg.trace.overwrite:
+        raise ConfigError("resume=true continues the trace at trace.path and trace.overwrite=true replaces it: "
+                          "give one")
     path = check_destination(cfg.trace.path or output_dir / "trace", bool(cfg.trace.overwrite), bool(cfg.resume))
     results = check_results_file(output_dir / cfg.results_file)
     if cfg.resume and (path / META_FILE).is_file() and not cfg.trace.overwrite:
