@@ -318,12 +318,22 @@ def _fold_method_overrides(args: list[str], config_name: str) -> list[str]:
 _COMMAND_GROUPS = {"replay": ("replay",), "trace": ("record", "replay")}
 
 
+# groups a command does not read, and why
+_UNREAD_GROUPS = {"record": (("selector", "predictor", "acceptance"),
+                             "records with its own selector (every node any selector could verify) and predicts "
+                             "nothing, so {key} does not apply; give it to specfit replay")}
+
+
 def _check_command_keys(command: str, values: dict[str, Any]) -> None:
-    """``replay.*`` for ``specfit replay``, ``trace.*`` for ``record`` and ``replay``: elsewhere, one line.
-    A trainer's command (its own dataclass: only its keys, ``trace.path`` for fit-acceptance) is not asked."""
+    """``replay.*`` for ``specfit replay``, ``trace.*`` for ``record`` and ``replay``: elsewhere, one line;
+    so for a group a command does not read (``selector`` for ``record``). A trainer's command (its own
+    dataclass: only its keys, ``trace.path`` for fit-acceptance) is not asked."""
     if command not in HYDRA_COMMANDS:
         return
+    unread, why = _UNREAD_GROUPS.get(command, ((), ""))
     for key in values:
+        if key.lstrip("+~").split(".", 1)[0] in unread:
+            raise ConfigError(f"{key.lstrip('+~')}: specfit {command} {why.format(key=key.lstrip('+~'))}")
         readers = _COMMAND_GROUPS.get(key.lstrip("+~").split(".", 1)[0])
         if readers and command not in readers:
             by = " and ".join(f"specfit {r}" for r in readers)

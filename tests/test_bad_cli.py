@@ -216,6 +216,9 @@ CASES: list[tuple[str, str, str]] = [
     ("demo repeats=0", "repeats", EARLY),
     ("demo +foo=1", "'foo'", EARLY),
     ("record model=tiny prompt_ids=[1] max_new_tokens=2 sampling.temperature=1", "sampling.temperature", EARLY),
+    ("record model=tiny prompt_ids=[1] max_new_tokens=2 selector=chain", "selector: specfit record records with its "
+     "own selector (every node any selector could verify) and predicts nothing, so selector does not apply", EARLY),
+    ("record model=tiny prompt_ids=[1] max_new_tokens=2 predictor.prior=0.3", "predictor.prior: specfit record", EARLY),
     ("record model=tiny prompt_ids=[1] max_new_tokens=2 resume=true trace.overwrite=true",
      "resume=true continues the trace at trace.path and trace.overwrite=true replaces it: give one", EARLY),
     ("replay", "trace.path", EARLY),
