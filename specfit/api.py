@@ -184,7 +184,7 @@ def _attach_calibration(engine: Engine, prompts: Sequence[Any] | None) -> None:
                 return
             except ConfigError as exc:  # damaged: named as this setup's stored file, not a key the user set
                 raise ConfigError(f"the stored calibration of this setup, {path} (cost_model.calibration=auto, under "
-                                  f"$SPECFIT_HOME), is damaged: {str(exc).split(': ', 1)[-1]}; delete it to measure "
+                                  f"$SPECFIT_HOME), is damaged: {str(exc).removeprefix(f'cost_model.calibration={path}: ')}; delete it to measure "
                                   f"again, or run `specfit calibrate`") from None
         why = (f"was fitted by an older specfit (fit version {version} < {FIT_VERSION})" if poor is None else
                f"predicts its cycle times poorly (held-out median error {poor:.0%}: the host was busy)")

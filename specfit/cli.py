@@ -261,6 +261,10 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
     is_query = flags.help or flags.hydra_help or flags.cfg or flags.info or flags.shell_completion
     elsewhere = flags.config_path or flags.config_name or flags.config_dir or flags.experimental_rerun
     if command in METHOD_COMMANDS and not (is_query or elsewhere or flags.multirun):
+        if command == "replay":  # before folding: a drafter.* key must not hide in a preset
+            from specfit.commands.replay import check_replay_overrides
+
+            check_replay_overrides(plain_overrides(args))
         args = _fold_method_overrides(args, config_name)
     if not (is_query or elsewhere or flags.multirun):
         # one clear line for a bad key or value, before Hydra starts and before any model is built

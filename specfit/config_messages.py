@@ -51,7 +51,8 @@ def one_line_config_error(exc: BaseException) -> str:
     inner = re.search(r"no viable alternative at input '\[?([^']*=[^']*)'", message) if _is_parse_error(exc) else None
     if inner:  # key=[a=b]: a list entry holding '=' (an override in a method preset) needs its own quotes
         message = (f"cannot parse the list entry {inner.group(1)}...: an entry holding '=' is quoted inside the list, "
-                   "the whole override inside the shell's quotes: '+method_presets.NAME=[\"selector=chain\",\"cache=lru\"]'")
+                   "the whole override inside the shell's quotes: 'key=[\"a=b\",\"c=d\"]' (a method preset: "
+                   "'+method_presets.NAME=[\"selector=chain\",\"cache=lru\"]')")
     if _is_parse_error(exc) and "LexerNoViableAltException" in message:  # characters Hydra's grammar refuses
         message = message.replace("LexerNoViableAltException: ", "cannot parse ").split(" See https://")[0]
         message = message.removesuffix(" ^") + _quoting_hint(message)

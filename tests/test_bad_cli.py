@@ -231,6 +231,9 @@ CASES: list[tuple[str, str, str]] = [
     ("replay trace.path=/nope/trace cache.link.bandwidth_gbps=1", "cache.link.bandwidth_gbps: specfit replay copies "
      "nothing and charges every cycle with its cost model", EARLY),
     ("replay trace.path=/nope/trace cache.copy=torch", "cache.copy: specfit replay copies nothing", EARLY),
+    # a key only one preset's drafter has is not folded into that preset: a replay cannot apply it
+    ("replay trace.path=/nope/trace methods=[ar,ngram] drafter.min_match=3",
+     "drafter.min_match: specfit replay replays the trees drafted", EARLY),
     ("calibrate model=tiny cost_model=nope", "cost_model/nope", EARLY),
     ("calibrate model=tiny max_new_tokens=0", "max_new_tokens", EARLY),
     ("train-target nope=1", "nope", EARLY),

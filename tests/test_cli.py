@@ -259,6 +259,16 @@ def test_a_key_only_some_methods_have_reaches_them_through_their_presets(tmp_pat
     assert rows["ar_prefetch"]["config"]["prefetch"]["source"] == "own"
 
 
+@pytest.mark.parametrize("prefix", ["+", "++"])
+def test_a_folded_key_keeps_how_the_user_added_a_preset(prefix):
+    from specfit.commands.bench import fold_method_overrides
+
+    given = ["model=tiny", f'{prefix}method_presets.mine=["prefetch=lookahead"]', "methods=[ar,mine]",
+             "prefetch.gate=false"]
+    assert fold_method_overrides(given, "bench") == [
+        "model=tiny", "methods=[ar,mine]", f'{prefix}method_presets.mine=["prefetch=lookahead","prefetch.gate=false"]']
+
+
 def test_sweep_jobs_expand_as_hydras_basic_sweeper():
     from specfit.cli import sweep_jobs
 

@@ -76,7 +76,7 @@ def test_the_command_line_changing_a_methods_preset_is_noted(capsys):
     ``ar`` prefetching beside ``ar_prefetch``)."""
     from specfit.commands.bench import method_config
 
-    cfg = specfit.compose(["model=tiny", "methods=[ar,specfit_nogate]"])
+    cfg = specfit.compose(["model=tiny", "methods=[ar,ar_prefetch,specfit_nogate]"])
     gated = method_config(cfg, "specfit_nogate", None, ["selector.draft_gate=true"])
     assert gated.selector.draft_gate is True
     ar = method_config(cfg, "ar", None, ["prefetch=lookahead"])
@@ -86,6 +86,10 @@ def test_the_command_line_changing_a_methods_preset_is_noted(capsys):
     assert "prefetch=lookahead applies to method ar too (its preset leaves prefetch to the base config)" in err
     method_config(cfg, "specfit_nogate", None, ["selector.draft_gate=false", "model=demo"])  # as the preset: silent
     assert "specfit_nogate" not in capsys.readouterr().err
+    # only where another method of the run sets the group: alone, specfit simply takes what was asked
+    alone = specfit.compose(["model=tiny", "methods=[specfit]"])
+    method_config(alone, "specfit", None, ["prefetch=draft", "acceptance=learned"])
+    assert "applies to method" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("overrides", "note"), [

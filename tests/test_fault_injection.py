@@ -142,10 +142,12 @@ def test_resume_reruns_rows_of_another_config_and_can_extend_a_job(reference, tm
 def test_interrupted_record_keeps_completed_sequences_and_resumes(reference, tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "run"
     _interrupt_after(monkeypatch, 2)
-    err = _interrupted([*RECORD, f"hydra.run.dir={run_dir}"], capsys)
+    err = _interrupted([*RECORD, "trace.overwrite=true", f"hydra.run.dir={run_dir}"], capsys)
     assert f"2 of 4 sequences are saved in {run_dir / 'trace'}" in err
     monkeypatch.undo()
-    _check_record_resume(run_dir / "trace", reference, 2, _resume_args(err, "record"))
+    args = _resume_args(err, "record")
+    assert "trace.overwrite=true" not in args  # resuming continues the trace; overwriting would discard it
+    _check_record_resume(run_dir / "trace", reference, 2, args)
 
 
 def test_record_refuses_to_mix_an_incomplete_trace_with_another_config(tmp_path, monkeypatch, capsys):

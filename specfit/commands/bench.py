@@ -53,7 +53,8 @@ def method_config(cfg: DictConfig, method: str, workload: str | None, overrides:
     if method not in cfg.method_presets:
         raise ConfigError(f"methods: {method!r} has no entry in method_presets (known: {', '.join(cfg.method_presets)})")
     preset = list(cfg.method_presets[method])
-    note_replaced_choices(method, preset, overrides)
+    others = [list(cfg.method_presets[m]) for m in cfg.get("methods") or () if m != method and m in cfg.method_presets]
+    note_replaced_choices(method, preset, overrides, others)
     last = [f"workload={workload}"] if workload else []  # the run's workload, from workloads=[...]
     try:
         return compose(preset + overrides + last, config_name=_config_name())
@@ -63,24 +64,30 @@ def method_config(cfg: DictConfig, method: str, workload: str | None, overrides:
         return compose(preset + usable + last, config_name=_config_name())
 
 
-# the groups method presets choose their parts with: a command-line choice of one reaches every method
-PART_GROUPS = ("drafter", "selector", "cost_model", "predictor", "acceptance", "cache", "prefetch")
+# the groups method presets tell their methods apart by (a cost model only acts where the selector requires one)
+PART_GROUPS = ("drafter", "selector", "predictor", "acceptance", "cache", "prefetch")
 
 
-def note_replaced_choices(method: str, preset: list[str], overrides: list[str]) -> None:
+def _choices(preset: list[str]) -> dict[str, str]:
+    return dict(o.lstrip("+").split("=", 1) for o in preset if "=" in o)
+
+
+def note_replaced_choices(method: str, preset: list[str], overrides: list[str],
+                          others: list[list[str]] = ()) -> None:
     """Say once (stderr) where the command line changes what a method's preset makes of it: a group
     or key the preset sets otherwise (``cache=lru`` gives ``ar_nocache`` a cache,
-    ``selector.draft_gate=true`` turns ``specfit_nogate``'s gate on), or a part group the preset leaves
-    to the base config (``prefetch=auto`` makes ``ar`` prefetch too, pairing it with ``ar_prefetch``).
-    The user asked for it, but may not know it."""
-    chosen = dict(o.lstrip("+").split("=", 1) for o in preset if "=" in o)
+    ``selector.draft_gate=true`` turns ``specfit_nogate``'s gate on), or a part group it leaves to the
+    base config where another method of the run (``others``, their presets) sets it: ``prefetch=auto``
+    makes ``ar`` prefetch too, beside ``ar_prefetch``. The user asked for it, but may not know it."""
+    chosen = _choices(preset)
+    set_elsewhere = {k for p in others for k in _choices(p)}
     for o in overrides:
         key, sep, value = o.lstrip("+").partition("=")
         if not sep:
             continue
         if key in chosen and chosen[key] != value:
             note_once(f"{o} replaces method {method}'s {key}={chosen[key]}")
-        elif key in PART_GROUPS and key not in chosen:
+        elif key in PART_GROUPS and key not in chosen and key in set_elsewhere:
             note_once(f"{o} applies to method {method} too (its preset leaves {key} to the base config)")
 
 
@@ -125,9 +132,10 @@ def fold_method_overrides(overrides: list[str], config_name: str) -> list[str]:
     moved = {o for preset in grown.values() for o in preset if o in deferred}
     if not moved:
         return overrides
-    rest = [o for o in overrides if o not in moved and override_key(o) not in {f"method_presets.{m}" for m in grown}]
-    added = {override_key(o) for o in overrides if o.startswith("+method_presets.")}  # presets new on the command line
-    return rest + [f"{'+' if f'method_presets.{m}' in added else ''}method_presets.{m}="
+    keys = {f"method_presets.{m}" for m in grown}
+    prefix = {override_key(o): o[: len(o) - len(o.lstrip("+"))] for o in overrides if override_key(o) in keys}
+    rest = [o for o in overrides if o not in moved and override_key(o) not in keys]
+    return rest + [f"{prefix.get(f'method_presets.{m}', '')}method_presets.{m}="  # +/++ as the user added it
                    f"[{','.join(json.dumps(e, ensure_ascii=False) for e in preset)}]" for m, preset in grown.items()]
 
 
@@ -173,8 +181,9 @@ _ROW_KEYS = {"command", "method", "workload", "workload_kind", "workload_split",
              "output_ids", "accept_lengths"}
 
 
-def resume_command(output_dir: Path, replace: dict[str, str] | None = None) -> str:
-    """The command line that continues this job: its overrides, ``resume=true``, the same run directory."""
+def resume_command(output_dir: Path, replace: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> str:
+    """The command line that continues this job: its overrides (less the keys in ``drop``),
+    ``resume=true``, the same run directory."""
     replace = dict(replace or {})
     command, task, hydra = "bench", [], []
     if HydraConfig.initialized():
@@ -184,7 +193,7 @@ def resume_command(output_dir: Path, replace: dict[str, str] | None = None) -> s
     args = []
     for o in task:
         key = override_key(o)
-        if key == "resume":
+        if key == "resume" or key in drop:
             continue
         args.append(f"{key}={replace.pop(key)}" if key in replace else o)
     args += [f"{k}={v}" for k, v in replace.items()] + hydra + ["resume=true", f"hydra.run.dir={output_dir}"]

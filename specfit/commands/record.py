@@ -73,7 +73,7 @@ def run(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
         trace = record(engine, prompts, config=config, done=done, on_sequence=saved)
     except KeyboardInterrupt:
         print(f"specfit: interrupted: {completed} of {len(prompts)} sequences are saved in {path} (an incomplete "
-              f"trace); resume with: {resume_command(output_dir, replace={'trace.path': str(path)})}",
+              f"trace); resume with: {resume_command(output_dir, replace={'trace.path': str(path)}, drop=('trace.overwrite',))}",
               file=sys.stderr, flush=True)
         raise
     seconds = time.perf_counter() - start

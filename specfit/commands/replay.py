@@ -110,9 +110,10 @@ _NOT_REPLAYED_HINTS = {"warmup": "; replay.warmup sets the replay's warm-up cycl
 _NOT_CHARGED = ("cache.copy", "cache.link")
 
 
-def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[str, Any]]:
-    if not cfg.trace.path:
-        raise ConfigError("set trace.path=DIR: a trace written by `specfit record`")
+def check_replay_overrides(overrides: list[str]) -> None:
+    """Keys of a live decode a replay cannot apply (the trace fixed prompts, output and trees; it copies
+    nothing): one line each. The CLI asks before it folds method-only keys into presets, where a
+    ``drafter.*`` key would hide among the presets' own ``drafter=`` choices."""
     for o in overrides:
         key = override_key(o)
         group = key.split(".", 1)[0]
@@ -127,6 +128,12 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
         if group == "drafter" and not (key == "drafter" and o.split("=", 1)[-1].strip() == "none"):
             raise ConfigError(f"{key}: specfit replay replays the trees drafted when the trace was recorded, so only "
                               f"drafter=none (plain decoding) applies; record a trace with it (specfit record {o})")
+
+
+def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[str, Any]]:
+    if not cfg.trace.path:
+        raise ConfigError("set trace.path=DIR: a trace written by `specfit record`")
+    check_replay_overrides(overrides)
     constants = {f"cost_model.{k}" for k in COST_OVERRIDES}
     given_constants = [override_key(o) for o in overrides if override_key(o) in constants]
     calibration = [o.split("=", 1)[-1].strip() for o in overrides if override_key(o) == "cost_model.calibration"]

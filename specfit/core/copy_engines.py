@@ -74,8 +74,8 @@ def _no_wait() -> float:
 class CopyTicket:
     """An issued copy: what it moves, its charge, when it completes, and how to wait for it.
 
-    ``seconds``: the charge (emulated link), the measured copy time (CPU; CUDA once waited with a
-    measuring timing) or the enqueue time (CUDA, ``timing="none"``). ``ready_at``: the
+    ``seconds``: the charge (emulated link), the measured copy time (CPU; CUDA once waited or
+    settled with a measuring timing) or the enqueue time (CUDA until then, or ``timing="none"``). ``ready_at``: the
     ``time.perf_counter()`` value (the engine's clock) at which the copy completes on the emulated
     link; for a synchronous copy, the time the call returned; on CUDA, the issue time (the device
     decides). ``wait()`` returns the seconds the caller blocked; waiting twice blocks once.

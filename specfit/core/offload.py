@@ -409,7 +409,8 @@ class OffloadRuntime:
     def settle_copies(self) -> None:
         """Count the measured time of every copy no pass waited for (CUDA: a prefetch evicted unused,
         or one still pending), in place of its enqueue time. The engine calls it when a decode ends,
-        before reading the statistics; off CUDA every ticket's time is final already."""
+        before reading the statistics (a prefill's copy settled then counts in the decode's seconds);
+        off CUDA every ticket's time is final already."""
         for ticket in list(self._unsettled):
             counted = ticket.seconds
             ticket.settle()

@@ -461,8 +461,8 @@ def _prefetch_summary(prefetcher: Any, sink: ModelledSink | None) -> dict[str, A
     if prefetcher is None or sink is None:
         return {}
     modelled = "prefetch modelled on the replay's link (expert_seconds = c_miss - c_hit per copy, FIFO)"
-    # a prefetcher that replays nothing (lookahead: live hidden states only) gets its own note alone
-    notes = list(sink.notes) if sink.notes and not sink.counts.issued else [modelled, *sink.notes]
+    # the look-ahead alone replays nothing (it reads live hidden states): its own note says so
+    notes = list(sink.notes) if guard.plugin_name(prefetcher) == "lookahead" else [modelled, *sink.notes]
     return {
         "prefetch": guard.plugin_name(prefetcher),
         "prefetch_time": "modelled",
