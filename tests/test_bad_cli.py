@@ -189,6 +189,9 @@ CASES: list[tuple[str, str, str]] = [
      "use workload.max_prompts=3", EARLY),
     # bench, demo, record, replay, calibrate, trainers
     ("bench model=tiny prompt_ids=[1] methods=[nope]", "nope", EARLY),
+    ("bench model=tiny prompt_ids=[1] methods=[ar,ar_prefetch] prefetch.gat=false",
+     "no method of methods=['ar', 'ar_prefetch'] takes it; in ar_prefetch (prefetch=auto): Could not override "
+     "'prefetch.gat'. Key 'gat' not in 'AutoPrefetcherConfig'; did you mean prefetch.gate?", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=[ar,eagle3,ar]", "methods=['ar', 'eagle3', 'ar'] names ar more than once",
      EARLY),
     ("bench model=tiny prompt_ids=[1] methods=ar", "methods=ar: methods takes a list: methods=[ar]", EARLY),

@@ -130,6 +130,9 @@ def fold_method_overrides(overrides: list[str], config_name: str) -> list[str]:
             if _composes(preset + kept + [o], config_name):
                 grown.setdefault(m, list(preset)).append(o)
     moved = {o for preset in grown.values() for o in preset if o in deferred}
+    for o in deferred:
+        if o not in moved:  # no method takes it: the error of a method whose preset chose its group says why
+            _raise_for_a_chooser(o, presets, kept, config_name)
     if not moved:
         return overrides
     keys = {f"method_presets.{m}" for m in grown}
@@ -137,6 +140,20 @@ def fold_method_overrides(overrides: list[str], config_name: str) -> list[str]:
     rest = [o for o in overrides if o not in moved and override_key(o) not in keys]
     return rest + [f"{prefix.get(f'method_presets.{m}', '')}method_presets.{m}="  # +/++ as the user added it
                    f"[{','.join(json.dumps(e, ensure_ascii=False) for e in preset)}]" for m, preset in grown.items()]
+
+
+def _raise_for_a_chooser(override: str, presets: dict[str, list[str]], kept: list[str], config_name: str) -> None:
+    """For an override no method takes (``prefetch.gat=false``): the error composing it with the first
+    method whose preset chooses its group (``ar_prefetch``: prefetch=auto, "did you mean prefetch.gate?"),
+    which names the key better than the base config's choice (``prefetch=none`` has no settings)."""
+    group = override_key(override).split(".", 1)[0]
+    for m, preset in presets.items():
+        if group in _choices(preset):
+            try:
+                compose(preset + kept + [override], config_name=config_name)
+            except ConfigError as exc:
+                raise ConfigError(f"{override}: no method of methods={list(presets)} takes it; in {m} "
+                                  f"({group}={_choices(preset)[group]}): {exc}") from None
 
 
 def _composes(overrides: list[str], config_name: str | None = None) -> bool:
