@@ -205,10 +205,17 @@ def _check_model_matches(trace: Trace, model: Any, given: bool) -> None:
         return tuple(int(getattr(spec, k)) for k in ("num_layers", "num_experts", "top_k", "hidden_size"))
 
     loaded, recorded = shape(moe_spec(model)), shape(trace.meta.moe_spec())
+    which = "the model given (model=...)" if given else "the model the trace's config names"
     if loaded != recorded:
-        which = "the model given (model=...)" if given else "the model the trace's config names"
         raise ConfigError(f"the trace was recorded with a model of {_describe(recorded)}, but {which} has "
                           f"{_describe(loaded)}; replay with the model the trace was recorded with")
+    vocab = getattr(model.config, "vocab_size", None)
+    tokens = ("prompt", "output", "node_token", "verified_argmax", "root_argmax")
+    highest = max((int(getattr(seq, k).max()) for seq in trace.sequences for k in tokens if getattr(seq, k).size),
+                  default=-1)
+    if vocab is not None and highest >= vocab:  # the predictors index the model's embeddings with them
+        raise ConfigError(f"the trace holds token id {highest}, outside the vocabulary of {which} (size {vocab}): "
+                          "a trace of another model, or a damaged one; replay with the model it was recorded with")
 
 
 def _describe(shape: tuple[int, ...]) -> str:

@@ -94,6 +94,25 @@ def test_replay_errors_are_one_line(trace_dir, tmp_path, capsys, args, message):
     assert err.startswith("specfit: error:") and message in err and "\n" not in err
 
 
+def test_a_trace_with_a_token_outside_the_models_vocabulary_is_refused(trace_dir, tmp_path, capsys):
+    import shutil
+
+    import numpy as np
+
+    damaged = tmp_path / "trace"
+    shutil.copytree(trace_dir, damaged)
+    seq = sorted(damaged.glob("seq-*.npz"))[0]
+    with np.load(seq) as npz:
+        arrays = dict(npz)
+    assert arrays["verified_argmax"].size  # the recorder verified drafted nodes
+    arrays["verified_argmax"][0] = 10**8  # a hand edit the format checks cannot see: no vocabulary recorded
+    np.savez(seq, **arrays)
+    with pytest.raises(SystemExit) as info:
+        main(["replay", f"trace.path={damaged}", *COSTS, f"hydra.run.dir={tmp_path / 'run'}"])
+    assert info.value.code == 2
+    assert "the trace holds token id 100000000, outside the vocabulary of" in capsys.readouterr().err
+
+
 def test_oracle_selector_in_a_live_run_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["generate", "model=tiny", "drafter=eagle3", *DRAFTER, "selector=oracle", "prompt_ids=[5,17]",
