@@ -183,9 +183,10 @@ def _attach_calibration(engine: Engine, prompts: Sequence[Any] | None) -> None:
                 model.set_constants(load_constants(path))
                 return
             except ConfigError as exc:  # damaged: named as this setup's stored file, not a key the user set
+                why = str(exc).removeprefix(f"cost_model.calibration={path}: ")
                 raise ConfigError(f"the stored calibration of this setup, {path} (cost_model.calibration=auto, under "
-                                  f"$SPECFIT_HOME), is damaged: {str(exc).removeprefix(f'cost_model.calibration={path}: ')}; delete it to measure "
-                                  f"again, or run `specfit calibrate`") from None
+                                  f"$SPECFIT_HOME), is damaged: {why}; delete it to measure again, or run "
+                                  "`specfit calibrate`") from None
         why = (f"was fitted by an older specfit (fit version {version} < {FIT_VERSION})" if poor is None else
                f"predicts its cycle times poorly (held-out median error {poor:.0%}: the host was busy)")
         print(f"specfit: the stored calibration {path} {why}; measuring it again", file=sys.stderr)

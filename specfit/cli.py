@@ -260,17 +260,19 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
     flags = _hydra_args(args)
     is_query = flags.help or flags.hydra_help or flags.cfg or flags.info or flags.shell_completion
     elsewhere = flags.config_path or flags.config_name or flags.config_dir or flags.experimental_rerun
-    if command in METHOD_COMMANDS and not (is_query or elsewhere or flags.multirun):
-        if command == "replay":  # before folding: a drafter.* key must not hide in a preset
-            from specfit.commands.replay import check_replay_overrides
-
-            check_replay_overrides(plain_overrides(args))
-        args = _fold_method_overrides(args, config_name)
     if not (is_query or elsewhere or flags.multirun):
         # one clear line for a bad key or value, before Hydra starts and before any model is built
         values = _override_values(args)
         _check_command_keys(command, values)  # first: a key this command ignores needs no checking of its value
-        check_config(compose(plain_overrides(args), config_name=config_name))
+        try:
+            composed = compose(plain_overrides(args), config_name=config_name)
+        except ConfigError:
+            if command not in METHOD_COMMANDS:
+                raise
+            args = _fold_method_overrides(command, args, config_name)  # keys only some methods have, or a clearer error
+            values = _override_values(args)
+            composed = compose(plain_overrides(args), config_name=config_name)
+        check_config(composed)
         _check_prompt_or_workload(values)
         _check_run_dir(values)
     elif flags.multirun and not (is_query or elsewhere):  # every job (up to 64), before the first one runs
@@ -306,12 +308,17 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
 METHOD_COMMANDS = ("bench", "demo", "replay")
 
 
-def _fold_method_overrides(args: list[str], config_name: str) -> list[str]:
+def _fold_method_overrides(command: str, args: list[str], config_name: str) -> list[str]:
     """``args`` with the overrides only some methods have moved into their presets
-    (:func:`specfit.commands.bench.fold_method_overrides`); flags and ``hydra.*`` keys stay as they are."""
+    (:func:`specfit.commands.bench.fold_method_overrides`); flags and ``hydra.*`` keys stay as they are.
+    A replay's keys are checked first: a ``drafter.*`` key must not hide among the presets' drafters."""
     from specfit.commands.bench import fold_method_overrides
 
     plain = plain_overrides(args)
+    if command == "replay":
+        from specfit.commands.replay import check_replay_overrides
+
+        check_replay_overrides(plain)
     folded = fold_method_overrides(plain, config_name)
     if folded is plain:
         return args
@@ -336,9 +343,10 @@ def _check_command_keys(command: str, values: dict[str, Any]) -> None:
         return
     unread, why = _UNREAD_GROUPS.get(command, ((), ""))
     for key in values:
-        if key.lstrip("+~").split(".", 1)[0] in unread:
+        group = key.lstrip("+~").split(".", 1)[0]
+        if group in unread:
             raise ConfigError(f"{key.lstrip('+~')}: specfit {command} {why.format(key=key.lstrip('+~'))}")
-        readers = _COMMAND_GROUPS.get(key.lstrip("+~").split(".", 1)[0])
+        readers = _COMMAND_GROUPS.get(group)
         if readers and command not in readers:
             by = " and ".join(f"specfit {r}" for r in readers)
             raise ConfigError(f"{key.lstrip('+~')}: only {by} read{'s' if len(readers) == 1 else ''} it; "

@@ -125,11 +125,12 @@ def fold_method_overrides(overrides: list[str], config_name: str) -> list[str]:
     cfg = compose(kept, config_name=config_name)
     presets = {str(m): list(cfg.method_presets[m]) for m in cfg.get("methods") or () if m in cfg.method_presets}
     grown: dict[str, list[str]] = {}
+    moved: set[str] = set()
     for o in deferred:
         for m, preset in presets.items():
             if _composes(preset + kept + [o], config_name):
                 grown.setdefault(m, list(preset)).append(o)
-    moved = {o for preset in grown.values() for o in preset if o in deferred}
+                moved.add(o)
     for o in deferred:
         if o not in moved:  # no method takes it: the error of a method whose preset chose its group says why
             _raise_for_a_chooser(o, presets, kept, config_name)
@@ -148,12 +149,13 @@ def _raise_for_a_chooser(override: str, presets: dict[str, list[str]], kept: lis
     which names the key better than the base config's choice (``prefetch=none`` has no settings)."""
     group = override_key(override).split(".", 1)[0]
     for m, preset in presets.items():
-        if group in _choices(preset):
+        choice = _choices(preset).get(group)
+        if choice is not None:
             try:
                 compose(preset + kept + [override], config_name=config_name)
             except ConfigError as exc:
                 raise ConfigError(f"{override}: no method of methods={list(presets)} takes it; in {m} "
-                                  f"({group}={_choices(preset)[group]}): {exc}") from None
+                                  f"({group}={choice}): {exc}") from None
 
 
 def _composes(overrides: list[str], config_name: str | None = None) -> bool:

@@ -85,7 +85,8 @@ def fit_acceptance(cfg: FitAcceptanceConfig) -> Path:
         raise ConfigError(f"trace.path={cfg.trace.path}: no settled outcomes to learn from (no drafted trees)")
 
     if held and not any(len(t.tree) for t in held):  # plain decoding: nothing drafted to score
-        where = f"held_out={list(cfg.held_out)}" if cfg.held_out else f"the last {cfg.held_out_fraction:.0%} of trace.path"
+        where = (f"held_out={list(cfg.held_out)}" if cfg.held_out
+                 else f"the last {cfg.held_out_fraction:.0%} of trace.path")
         raise ConfigError(f"{where}: no drafted trees to score the estimators on (recorded with drafter=none?)")
     scores: list[tuple[str, AcceptanceScore]] = []
     if held:

@@ -72,9 +72,9 @@ def run(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
     try:
         trace = record(engine, prompts, config=config, done=done, on_sequence=saved)
     except KeyboardInterrupt:
+        resume = resume_command(output_dir, replace={"trace.path": str(path)}, drop=("trace.overwrite",))
         print(f"specfit: interrupted: {completed} of {len(prompts)} sequences are saved in {path} (an incomplete "
-              f"trace); resume with: {resume_command(output_dir, replace={'trace.path': str(path)}, drop=('trace.overwrite',))}",
-              file=sys.stderr, flush=True)
+              f"trace); resume with: {resume}", file=sys.stderr, flush=True)
         raise
     seconds = time.perf_counter() - start
     writer.finish(trace)

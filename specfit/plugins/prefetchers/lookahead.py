@@ -132,7 +132,8 @@ class LookaheadPrefetcher(PrefetcherBase):
         model, spec = target.model, target.runtime.spec
         for key, value in (("picks", self.picks), ("keep", self.keep)):
             if value is not None and value > spec.num_experts:
-                raise ConfigError(f"prefetch.{key}={value} is more than the model's {spec.num_experts} experts per layer")
+                raise ConfigError(f"prefetch.{key}={value} is more than the model's {spec.num_experts} experts "
+                                  "per layer")
         self.k = self.picks or spec.top_k
         self.kept = min(spec.top_k if self.keep is None else self.keep, spec.num_experts - self.k)
         layers, routers = moe_routers(model, spec, "prefetch=lookahead")
