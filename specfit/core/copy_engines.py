@@ -16,9 +16,10 @@ Engines (chosen with ``cache.copy``):
 
 Ordering on CUDA: the copy stream first waits for the compute stream (a slot about to be
 overwritten may still be read by queued compute), and the compute stream then waits on the copy's
-event, so compute never reads a slot before its copy lands. A cache that tracks per-slot events can
-turn the first wait off (``order_after_compute=False``) and make ``engine.copy_stream`` wait on its
-own events instead, which lets copies overlap earlier layers' compute.
+event, so compute never reads a slot before its copy lands. A caller that tracks each slot's last
+use with its own events could turn the first wait off (``order_after_compute=False``) and make
+``engine.copy_stream`` wait on those instead; the offload runtime does not, so it refuses such an
+engine.
 
 Timing on CUDA (``timing=``): ``"wall"`` (default) charges a synchronous ``copy`` the host wall time
 from the call until the copy's event completes, i.e. the stall a synchronous caller sees, including
@@ -322,8 +323,8 @@ class _StreamedCopy:
             def row(index: int) -> CopyTicket:
                 if not 0 <= index < experts:
                     raise IndexError(f"row {index} of a copy of {experts} experts")
-                return _cuda_ticket(dev, timing, 1, nbytes // experts, enqueued / experts, t0,
-                                    start if index == 0 else marks[index - 1], marks[index])
+                begin = (start if index == 0 else marks[index - 1]) if use_events else None  # untimed events
+                return _cuda_ticket(dev, timing, 1, nbytes // experts, enqueued / experts, t0, begin, marks[index])
 
             ticket._row = row
         return ticket

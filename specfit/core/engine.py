@@ -185,6 +185,7 @@ class Engine:
         counted = self._prefetch_counters()
         out: list[int] = []
         with torch.inference_mode():
+            self.runtime.settle_copies()  # a decode an error cut short left some: counted before this one
             start = _now(self.device)
             before_prefill = self.runtime.stats.copy()
             prefill = self.target.prefill(ids)
@@ -197,6 +198,7 @@ class Engine:
             for observer in cycle.observers:
                 observer.on_prefill(ids, prefill.routing, out[-1])
             stats.prefill_seconds = _now(self.device) - start
+            self.runtime.settle_copies(landed_only=True)  # the prefill's unwaited copies count in it
             decode_start = self.runtime.stats.copy()
             stats.prefill_cache = decode_start.since(before_prefill)
             while out[-1] not in self.stop_token_ids:
@@ -382,7 +384,9 @@ def _eos_ids(model: nn.Module, tokenizer: Any) -> set[int]:
 
 
 def _now(device: torch.device) -> float:
-    """Wall clock, after the device has finished its queued work (so timings are real)."""
+    """Wall clock, after the compute stream has finished its queued work (so timings are real).
+    Not the whole device: a device-wide synchronize also waits for the copy stream, so every
+    prefetch issued during drafting would land before drafting went on, overlapping nothing."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
     return time.perf_counter()

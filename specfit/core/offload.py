@@ -155,6 +155,7 @@ class OffloadRuntime:
         self.spec = spec
         self.policy = policy
         self.copy_engine = copy_engine
+        _check_copy_order(copy_engine)
         self.slots_per_layer = bind_cache(policy, spec)
         preload = cache_preload(policy, spec, self.slots_per_layer)
         # every expert of every layer preloaded (cache=full): the slots will hold the only copy
@@ -316,11 +317,18 @@ class OffloadRuntime:
         experts = self.slot_expert[layers, slots]
         held = resident[layers, experts]  # a scratch slot's leftover (cache=none) is not resident
         out[layers[held], experts[held]] = 0.0
+        unknown = None  # an unsettled CUDA copy in flight: its ticket knows only the enqueue time
         for layer, pending in enumerate(self._pending):
             for slot, ticket in pending.items():
                 expert = int(self.slot_expert[layer, slot])
                 if expert >= 0 and resident[layer, expert]:
-                    out[layer, expert] = ticket.remaining()
+                    left = ticket.remaining()
+                    if left > 0.0 and ticket in self._unsettled:
+                        if unknown is None:  # one copy's measured time (the enqueue time before any)
+                            stats = self.stats
+                            unknown = stats.timed_copy_seconds / stats.timed_copies if stats.timed_copies else 0.0
+                        left = max(left, unknown)
+                    out[layer, expert] = left
         return out
 
     def _protected(self, layer: int) -> frozenset[int]:
@@ -406,16 +414,20 @@ class OffloadRuntime:
             self.stats.timed_copies += ticket.experts
             self.stats.timed_copy_seconds += ticket.seconds
 
-    def settle_copies(self) -> None:
+    def settle_copies(self, landed_only: bool = False) -> None:
         """Count the measured time of every copy no pass waited for (CUDA: a prefetch evicted unused,
-        or one still pending), in place of its enqueue time. The engine calls it when a decode ends,
-        before reading the statistics (a prefill's copy settled then counts in the decode's seconds);
-        off CUDA every ticket's time is final already."""
+        or one still pending), in place of its enqueue time. The engine calls it before a decode
+        (a decode cut short by an error leaves some), after the prefill with ``landed_only`` (copies
+        that have landed: settling them blocks nothing; one still in flight counts in the decode)
+        and when the decode ends, before reading the statistics. Off CUDA every ticket's time is
+        final already."""
         for ticket in list(self._unsettled):
+            if landed_only and ticket.in_flight():
+                continue
             counted = ticket.seconds
             ticket.settle()
             self._count_measured(ticket, counted)
-        self._unsettled.clear()
+            del self._unsettled[ticket]
 
     def _repair(self, layer: int) -> None:
         """After an exception mid-layer or mid-prefetch: copy, synchronously, every expert of
@@ -476,6 +488,18 @@ class OffloadRuntime:
         if self.preloads_all and self.store.pinned and hasattr(torch._C, "_host_emptyCache"):
             torch.cuda.synchronize(self.device)  # the copies have read the pinned rows: return them to the system
             torch._C._host_emptyCache()
+
+
+def _check_copy_order(copy_engine: CopyEngine) -> None:
+    """The runtime keeps no per-slot event of a slot's last use: a copy engine (or the engine an
+    emulated link wraps) must order its copies after the compute queued before them, or a copy
+    could overwrite a slot that queued compute still reads."""
+    engine: Any = copy_engine
+    while engine is not None:
+        if getattr(engine, "order_after_compute", True) is False:
+            raise ConfigError(f"copy engine {type(engine).__name__} has order_after_compute=False: the offload "
+                              "runtime tracks no per-slot last use, so its copies must wait for queued compute")
+        engine = getattr(engine, "inner", None)
 
 
 def _store_spec(model_spec: MoESpec, store: HostExpertStore) -> MoESpec:

@@ -439,14 +439,18 @@ def test_on_a_device_link_one_copy_takes_what_the_waited_copies_were_timed_at():
     assert engine.prefetch_sink.expert_seconds() == pytest.approx(2e-3)
 
 
-def test_copies_no_pass_waited_for_are_charged_their_own_time_when_the_decode_ends():
-    """A CUDA ticket holds its enqueue time until waited for; a prefetch evicted unused never is.
-    When the decode ends the runtime settles such tickets (their event's time on the copy stream),
-    so h2d_seconds and link_busy_seconds count every copy at its copy time, waited or not."""
+class DeviceLikeCopy(TorchCopyEngine):
+    """CPU copies whose tickets behave like a CUDA engine's: each holds an event, is charged its
+    enqueue time (1 us an expert) until waited for or settled, then 2 ms an expert; ``landed``
+    says whether an unwaited copy has landed."""
 
-    def device_ticket(experts: int, nbytes: int, ready_at: float) -> CopyTicket:
-        ticket = CopyTicket(experts, nbytes, 1e-6 * experts, ready_at, _remaining=lambda: 0.0,
-                            event=object())  # an event: a device's copy, charged its enqueue time until measured
+    def __init__(self, device: str = "cpu", landed: bool = True) -> None:
+        super().__init__(device)
+        self.landed = landed
+
+    def _ticket(self, experts: int, nbytes: int, ready_at: float) -> CopyTicket:
+        ticket = CopyTicket(experts, nbytes, 1e-6 * experts, ready_at,
+                            _remaining=(lambda: 0.0) if self.landed else (lambda: 1e-6), event=object())
 
         def measure() -> float:
             ticket.seconds = 2e-3 * ticket.experts
@@ -455,27 +459,99 @@ def test_copies_no_pass_waited_for_are_charged_their_own_time_when_the_decode_en
         ticket._wait, ticket._settle = measure, measure
         return ticket
 
-    class DeviceLike(TorchCopyEngine):
-        def issue(self, *args, **kwargs):  # noqa: ANN002, ANN003
-            real = super().issue(*args, **kwargs)
-            batch = device_ticket(real.experts, real.bytes, real.ready_at)
-            rows = [device_ticket(1, real.bytes // real.experts, real.ready_at) for _ in range(real.experts)]
-            batch._row = rows.__getitem__  # each expert's own ticket, as the torch engine's events on CUDA
-            return batch
+    def issue(self, *args, **kwargs):  # noqa: ANN002, ANN003
+        real = super().issue(*args, **kwargs)
+        batch = self._ticket(real.experts, real.bytes, real.ready_at)
+        rows = [self._ticket(1, real.bytes // real.experts, real.ready_at) for _ in range(real.experts)]
+        batch._row = rows.__getitem__  # each expert's own ticket, as the torch engine's events on CUDA
+        return batch
 
+
+def test_copies_no_pass_waited_for_are_charged_their_own_time_in_their_own_phase():
+    """A CUDA ticket holds its enqueue time until waited for; a prefetch evicted unused never is.
+    The runtime settles such tickets (their event's time on the copy stream) after the prefill
+    (the landed ones) and when the decode ends, so h2d_seconds and link_busy_seconds count every
+    copy at its copy time, waited or not, in the phase that issued it."""
     engine = Engine(tiny_model(), cache=LRUCache(capacity=3), prefetcher=LookaheadPrefetcher(gate=False),
-                    device="cpu", copy=DeviceLike("cpu"), selector=NoDraftSelector())
+                    device="cpu", copy=DeviceLikeCopy(), selector=NoDraftSelector())
     out = engine.generate(PROMPT, max_new_tokens=N)
-    stats = engine.runtime.stats
+    stats, expert = engine.runtime.stats, engine.spec.expert_bytes
     assert out.stats["prefetch_wasted"] > 0
-    copied = stats.h2d_bytes / engine.spec.expert_bytes
+    copied = stats.h2d_bytes / expert
     assert stats.timed_copies == copied  # every copy's time measured: the unwaited ones' too
     assert stats.h2d_seconds == pytest.approx(2e-3 * copied) == stats.link_busy_seconds
-    # a prefill's copy settled when the decode ends counts in the decode's seconds: together they are exact
-    assert out.stats["h2d_seconds"] + out.stats["prefill_h2d_seconds"] == pytest.approx(2e-3 * copied)
-    engine.generate(PROMPT, max_new_tokens=N)  # waits for copies the first decode settled: not counted twice
-    copied = stats.h2d_bytes / engine.spec.expert_bytes
+    decoded = out.stats["h2d_bytes"] / expert
+    assert 0 < decoded < copied
+    assert out.stats["h2d_seconds"] == pytest.approx(2e-3 * decoded)
+    assert out.stats["prefill_h2d_seconds"] == pytest.approx(2e-3 * (copied - decoded))
+    out = engine.generate(PROMPT, max_new_tokens=N)  # waits for copies the first decode settled: not counted twice
+    copied = stats.h2d_bytes / expert
     assert stats.timed_copies == copied and stats.h2d_seconds == pytest.approx(2e-3 * copied)
+    assert out.stats["h2d_seconds"] == pytest.approx(2e-3 * out.stats["h2d_bytes"] / expert)
+
+
+def test_a_decode_cut_short_leaves_no_copy_to_the_next_decodes_figures():
+    """A decode an error ends never settles its unwaited copies; the next decode settles them
+    before it starts, so they do not count in its figures."""
+    class FailsLate(NoDraftSelector):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cycles = 0
+
+        def observe(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            self.cycles += 1
+            if self.cycles == 5:
+                raise RuntimeError("late failure")
+
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=3), prefetcher=LookaheadPrefetcher(gate=False),
+                    device="cpu", copy=DeviceLikeCopy(landed=False), selector=FailsLate())
+    with pytest.raises(PluginError, match="late failure"):
+        engine.generate(PROMPT, max_new_tokens=N)
+    assert engine.runtime._unsettled  # copies in flight when it failed
+    before = engine.runtime.stats.h2d_bytes
+    out = engine.generate(PROMPT, max_new_tokens=N)
+    copied = (engine.runtime.stats.h2d_bytes - before) / engine.spec.expert_bytes  # this decode's, prefill's too
+    assert out.stats["h2d_seconds"] + out.stats["prefill_h2d_seconds"] == pytest.approx(2e-3 * copied)
+
+
+def test_a_copy_in_flight_whose_time_is_unknown_arrives_in_one_measured_copy_time():
+    """arriving() tells the cost model when each expert is usable; a CUDA ticket in flight knows only
+    its enqueue time, so the runtime charges it one copy's measured time."""
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=3), device="cpu", copy=DeviceLikeCopy(landed=False),
+                    selector=NoDraftSelector())
+    engine.generate(PROMPT, max_new_tokens=4)
+    runtime = engine.runtime
+    absent = [e for e in range(runtime.spec.num_experts) if not runtime.resident()[0, e]]
+    assert runtime.prefetch(0, absent[:1]) == 1
+    assert runtime.arriving()[0, absent[0]] == pytest.approx(2e-3)
+
+
+def test_a_copy_engine_that_does_not_wait_for_compute_is_refused():
+    """The runtime tracks no slot's last use: copies must queue behind the compute before them."""
+    from specfit.core.copy_engines import EmulatedLinkEngine
+    from specfit.errors import ConfigError
+
+    for copy in (TorchCopyEngine("cpu", order_after_compute=False),
+                 EmulatedLinkEngine(TorchCopyEngine("cpu", order_after_compute=False))):
+        with pytest.raises(ConfigError, match="order_after_compute=False"):
+            Engine(tiny_model(), cache=LRUCache(capacity=3), device="cpu", copy=copy, selector=NoDraftSelector())
+
+
+def test_timing_on_cuda_waits_for_the_compute_stream_only(monkeypatch):
+    """The engine's clock synchronises the compute stream, not the device: a device-wide sync would
+    wait for the copy stream too, so prefetches issued during drafting would overlap nothing."""
+    from specfit.core import engine as engine_module
+
+    synced = []
+
+    class Stream:
+        def synchronize(self) -> None:
+            synced.append("stream")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append("device"))
+    engine_module._now(torch.device("cuda"))
+    assert synced == ["stream"]
 
 
 def test_the_gate_is_off_on_cuda_and_says_so(capsys, monkeypatch):
