@@ -219,28 +219,25 @@ def test_malformed_head_directories_give_clear_errors(tmp_path, breakage, patter
         Engine(tiny_model(), drafter=Eagle3Drafter(path=str(tmp_path)), device="cpu")
 
 
-@pytest.mark.slow
-def test_speculative_sampling_matches_autoregressive_sampling_end_to_end():
-    """The second generated token (the first cycle's output) has the same law with and without a tree."""
-    from scipy.stats import chi2_contingency
-
+def sampled_like_ar(make_engine, seeds: range, n: int = 10) -> int:
+    """Sampling is lossless seed for seed: for each seed, a tree engine whose drafter proposes AR's
+    own sampled continuation (at a random rank among random siblings, left out one time in five)
+    decodes exactly AR's tokens. Each output token is an inverse-CDF draw from the target's
+    distribution with its position's uniform (test_sampling checks that law), so equality per seed
+    is the distribution kept, and it fails on any changed token. Returns the drafted tokens the
+    target accepted, which a test asserts are many (the tree path is exercised)."""
     from specfit.core.sampling import SamplingParams
 
-    ref = reference("tiny-qwen3-moe")
-    prompt = PROMPT[:3]
-    engines = {
-        "ar": Engine(tiny_model(), device="cpu"),
-        "tree": Engine(tiny_model(), drafter=ScriptedDrafter(ref, vocab=256, branching=4, depth=2, miss=0.0), device="cpu"),
-    }
-    counts = {name: {} for name in engines}
-    for seed in range(1500):
-        for name, engine in engines.items():
-            params = SamplingParams(temperature=1.5, top_k=6, seed=seed)
-            first, second = engine.generate(prompt, 2, params).token_ids
-            counts[name][second] = counts[name].get(second, 0) + 1
-    tokens = sorted(set(counts["ar"]) | set(counts["tree"]))
-    table = [[counts[n].get(t, 0) + 1 for t in tokens] for n in engines]
-    assert chi2_contingency(table).pvalue > 1e-3
+    ar, (tree, drafter) = Engine(tiny_model(), device="cpu"), make_engine()
+    accepted = 0
+    for seed in seeds:
+        params = SamplingParams(temperature=1.5, top_k=6, seed=seed)
+        expected = ar.generate(PROMPT[:3], n, params).token_ids
+        drafter.reference = PROMPT[:3] + expected  # the drafter knows this seed's sampled continuation
+        out = tree.generate(PROMPT[:3], n, params)
+        assert out.token_ids == expected, f"seed {seed}"
+        accepted += out.stats["accepted_tokens"]
+    return accepted
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -396,31 +393,21 @@ def test_eager_attention_tree_verification_matches_hf_generate(arch):
     assert out.stats["spec_decode_acceptance_length"] > 1.5
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("selector", ["eagle3", "chain", "specfit"])
 @pytest.mark.parametrize("cache", list(CACHES))
 def test_sampling_is_lossless_for_every_selector_and_cache(selector, cache):
-    """Chi-square: the second generated token has the same law with the tree as without it."""
-    from scipy.stats import chi2_contingency
-
+    """Seed for seed, every selector and cache samples AR's tokens, accepting many drafts."""
     from specfit.core.calibration import CostConstants
-    from specfit.core.sampling import SamplingParams
     from specfit.plugins.cost_models.union import UnionCostModel
     from specfit.plugins.predictors.history import HistoryPredictor
     from specfit.plugins.selectors.eagle3 import TopByPathProbSelector
     from specfit.plugins.selectors.specfit import SpecFitSelector
 
-    ref = reference("tiny-qwen3-moe")
-    parts = {"eagle3": dict(selector=TopByPathProbSelector()), "chain": dict(selector=ChainSelector()),
-             "specfit": dict(selector=SpecFitSelector(), predictor=HistoryPredictor(),
-                             cost_model=UnionCostModel(constants=CostConstants(1e-3, 1e-5, 1e-5, 1e-6)))}[selector]
-    engines = {"ar": Engine(tiny_model(), cache=CACHES[cache](), device="cpu"),
-               "tree": Engine(tiny_model(), cache=CACHES[cache](), device="cpu",
-                              drafter=ScriptedDrafter(ref, vocab=256, branching=4, depth=2, miss=0.0), **parts)}
-    counts = {name: {} for name in engines}
-    for seed in range(600):
-        for name, engine in engines.items():
-            second = engine.generate(PROMPT[:3], 2, SamplingParams(temperature=1.5, top_k=6, seed=seed)).token_ids[1]
-            counts[name][second] = counts[name].get(second, 0) + 1
-    tokens = sorted(set(counts["ar"]) | set(counts["tree"]))
-    assert chi2_contingency([[counts[n].get(t, 0) + 1 for t in tokens] for n in engines]).pvalue > 1e-3
+    def make():
+        parts = {"eagle3": dict(selector=TopByPathProbSelector()), "chain": dict(selector=ChainSelector()),
+                 "specfit": dict(selector=SpecFitSelector(), predictor=HistoryPredictor(),
+                                 cost_model=UnionCostModel(constants=CostConstants(1e-3, 1e-5, 1e-5, 1e-6)))}[selector]
+        drafter = ScriptedDrafter([], vocab=256, branching=4, depth=2, miss=0.2)
+        return Engine(tiny_model(), cache=CACHES[cache](), device="cpu", drafter=drafter, **parts), drafter
+
+    assert sampled_like_ar(make, range(20)) > 4, "too few drafts accepted to exercise the tree"
