@@ -85,7 +85,7 @@ def test_numerics_compares_methods_with_ar_and_fp32(tmp_path, monkeypatch):
     rows = _rows(out)
     settings = numerics.numerics_settings()
     reference = [r for r in rows if r["dtype"] == "float32"]
-    assert len(reference) == 1 and reference[0]["differ"] == 0 and reference[0]["tokens"] == 8
+    assert len(reference) == 1 and reference[0]["tokens"] == 8  # the reference's own row: its time
     compared = [r for r in rows if r["dtype"] == "bfloat16"]
     # per numerics: AR vs fp32, and each speculative method vs AR and vs fp32
     assert len(compared) == 5 * len(settings) and {r["numerics"] for r in compared} == set(settings)

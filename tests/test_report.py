@@ -12,21 +12,56 @@ import numpy as np
 import pytest
 
 from specfit.cli import main
-from specfit.report import run_label, sweep_axes, write_report
+from specfit.report import run_label, sweep_axes, verify_split, write_report
 
 BENCH = ["model=tiny", "methods=[ar,eagle3_nocache]", "drafter.top_k=3", "drafter.depth=2", "drafter.total_tokens=4",
          "prompt_ids=[5,17,99]", "max_new_tokens=5", "cache.copy=emulated"]
 
 
-def test_sweep_is_collected_into_one_report(tmp_path, capsys):
+def captured_plots(monkeypatch) -> dict:
+    """The figures the report saves, by file name, and the summary rows its plots were drawn from."""
+    from specfit import report
+
+    figures: dict = {}
+    save, plots = report._save, report._plots
+
+    def keep(fig, out, name):  # noqa: ANN001, ANN202
+        figures[name] = fig.axes[0]  # read before the original closes the figure (the axes stay)
+        return save(fig, out, name)
+
+    def drawn(summary, out):  # noqa: ANN001, ANN202
+        figures["summary"] = list(summary)
+        return plots(summary, out)
+
+    monkeypatch.setattr(report, "_save", keep)
+    monkeypatch.setattr(report, "_plots", drawn)
+    return figures
+
+
+def test_sweep_is_collected_into_one_report(tmp_path, capsys, monkeypatch):
     main(["bench", "-m", *BENCH, "cache.capacity=2,4", f"hydra.sweep.dir={tmp_path}"])
     assert len(list(tmp_path.glob("*/results.jsonl"))) == 2
+    pytest.importorskip("matplotlib")
+    figures = captured_plots(monkeypatch)
     report = write_report([tmp_path], tmp_path / "report")
     text = report.read_text()
     for label in ("ar (capacity=2)", "ar (capacity=4)", "eagle3_nocache (capacity=2)", "emulated"):
         assert label in text
     for png in ("throughput.png", "acceptance.png", "breakdown.png"):
         assert (tmp_path / "report" / png).stat().st_size > 1000
+    summary = figures["summary"]
+    assert len(summary) == 4  # two methods at two capacities, one workload
+    # the bars are the summary's throughputs, one per run label, in its order
+    bars = [p.get_height() for p in figures["throughput.png"].patches]
+    assert bars == pytest.approx([s["output_throughput"] for s in summary]) and min(bars) > 0
+    # one point per run; each stacked column of the breakdown adds up to its time per token
+    assert len(figures["acceptance.png"].collections) == len(summary)
+    columns = np.zeros(len(summary))
+    for patch in figures["breakdown.png"].patches:
+        columns[round(patch.get_x() + patch.get_width() / 2)] += patch.get_height()
+    per_token = [1e3 * (s["draft_seconds"] + s["select_seconds"] + sum(verify_split(s))) / s["num_output_tokens"]
+                 for s in summary]
+    assert columns == pytest.approx(per_token) and columns.min() > 0
 
 
 def test_report_command_and_bad_input(tmp_path, capsys):

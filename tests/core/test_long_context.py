@@ -86,6 +86,19 @@ def ar_outputs(engines, long_text_ids):
     return {n: engines("ar").generate(long_text_ids[:n], max_new_tokens=NEW_TOKENS) for n in (600, 2000, CONTEXT - 10)}
 
 
+@pytest.mark.parametrize("prompt_tokens", [600, 2000])
+def test_long_prompts_decode_as_transformers_generate(long_text_ids, ar_outputs, prompt_tokens):
+    """The reference every method above is held to, AR through the offloaded runtime, is itself HF's
+    greedy ``generate`` on the same weights (float32, as model=demo loads them) at long prompts."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(DEMO / "target", dtype=torch.float32).eval()
+    prompt = torch.tensor([long_text_ids[:prompt_tokens]])
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    assert out[0, prompt_tokens:].tolist() == ar_outputs[prompt_tokens].token_ids
+
+
 @contextmanager
 def watched_verification(engine: Engine):
     """Record (prefix length, deepest block depth) of every verification pass."""

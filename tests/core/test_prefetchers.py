@@ -115,6 +115,20 @@ def test_output_is_ar_output_for_every_prefetcher_cache_and_method(prefetcher, c
         assert issued["ar"] == (0, 0) and issued["specfit"][0] > 0, issued
 
 
+@pytest.mark.parametrize("prefetcher", ["lookahead", "draft", "auto"])
+def test_output_is_ar_output_with_copies_in_flight(prefetcher):
+    """On the emulated link copies stay in flight until their charge has passed, so prefetches are
+    still arriving when passes start (the protection and waiting paths the torch engine on a CPU,
+    where every copy has landed when issued, never takes)."""
+    for method in ("ar", "eagle3", "specfit"):
+        engine = Engine(tiny_model(), cache=LRUCache(capacity=3), prefetcher=PREFETCHERS[prefetcher](), device="cpu",
+                        copy="emulated", **method_parts(method))
+        out = engine.generate(PROMPT, max_new_tokens=N)
+        assert out.token_ids == reference()[len(PROMPT):], (method, prefetcher)
+        assert out.stats["h2d_stall_seconds"] > 0  # some pass waited on a copy still on the link
+        check_slots(engine)
+
+
 @pytest.mark.parametrize("source", ["own", "next", "both", "fitted"])
 def test_lookahead_next_prefetches_queue_behind_the_layers_own_copies(source):
     """``next`` asks for layer l+1's experts once layer l has issued its own copies, so on the FIFO

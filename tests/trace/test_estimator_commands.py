@@ -54,7 +54,7 @@ def test_replay_with_a_profile_charges_its_constants_and_says_time_is_modelled(t
     assert "pred tok/s" in table and "specfit_learned" in table and re.search(r"\n\s*ar\s+lru:4\s", table)
 
 
-def test_fit_acceptance_writes_a_model_replay_uses_and_scores_report_plots(trace_dir, tmp_path, capsys):
+def test_fit_acceptance_writes_a_model_replay_uses_and_scores_report_plots(trace_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "fit"
     main(["fit-acceptance", f"trace.path={trace_dir}", f"out_dir={out}", "held_out_fraction=0.5",
           f"hydra.run.dir={tmp_path / 'run'}"])
@@ -72,11 +72,30 @@ def test_fit_acceptance_writes_a_model_replay_uses_and_scores_report_plots(trace
           f"hydra.run.dir={tmp_path / 'rep'}"])
     assert rows_of(tmp_path / "rep" / "results.jsonl")[0]["acceptance_estimator"] == "learned"
 
+    pytest.importorskip("matplotlib")
+    from specfit import report as report_module
+
+    drawn = {}
+    save = report_module._save
+
+    def keep(fig, where, name):  # noqa: ANN001, ANN202
+        drawn[name] = [(line.get_label(), list(line.get_xdata()), list(line.get_ydata())) for line in fig.axes[0].lines]
+        return save(fig, where, name)
+
+    monkeypatch.setattr(report_module, "_save", keep)
     report = write_report([out / "results.jsonl", tmp_path / "rep" / "results.jsonl"], tmp_path / "report")
     text = report.read_text()
     assert "## Acceptance estimators" in text and "learned (fitted)" in text and "specfit (learned)" in text
-    pytest.importorskip("matplotlib")
     assert (tmp_path / "report" / "reliability.png").stat().st_size > 1000
+    # the diagonal, then one line per scored estimator: its bins' mean forecast and observed frequency
+    lines = drawn["reliability.png"]
+    assert lines[0][0] == "calibrated" and lines[0][1] == [0, 1]
+    scored = {r["acceptance_estimator"]: r["acceptance_reliability"] for r in rows}
+    assert {label for label, _, _ in lines[1:]} >= set(scored)
+    for label, xs, ys in lines[1:]:
+        if label in scored:
+            assert xs == pytest.approx([b[0] for b in scored[label]]) and ys == pytest.approx([b[1] for b in scored[label]])
+            assert xs and all(0.0 <= v <= 1.0 for v in xs + ys)
 
 
 def test_fit_acceptance_needs_a_trace(tmp_path, capsys):
