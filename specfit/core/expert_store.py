@@ -50,7 +50,7 @@ class HostExpertStore:
 
     def __init__(self, spec: MoESpec, pin: bool = False, *, _allocate: bool = True) -> None:
         self.spec = spec
-        self.pinned = False  # True once a layer was allocated in pinned memory
+        self.pinned = False  # every layer allocated in pinned memory (a failure part-way leaves it False)
         self._pin = pin
         self._parts = row_parts(spec)
         self._units = ["gate", "up", "down"] + (["gate_up_bias", "down_bias"] if spec.layout.bias else [])
@@ -65,7 +65,7 @@ class HostExpertStore:
                 self.pinned = True
                 return tensor
             except RuntimeError as exc:
-                self._pin = False
+                self._pin = self.pinned = False  # the layers after this one are pageable
                 reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 print(f"specfit: warning: the host expert store is not pinned, copies will be slower ({reason})",
                       file=sys.stderr)

@@ -164,6 +164,8 @@ class OffloadRuntime:
         if store is None:  # pinned for fast copies, unless it is only read once by the preload
             store = HostExpertStore.from_modules(experts, spec, pin=self.device.type == "cuda" and not self.preloads_all)
         self.store = store
+        if not self.preloads_all:  # a full cache copies nothing through the engine
+            _check_store_readable(copy_engine, store, self.device)
         for layer, (name, module) in enumerate(experts):
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
@@ -500,6 +502,22 @@ def _check_copy_order(copy_engine: CopyEngine) -> None:
             raise ConfigError(f"copy engine {type(engine).__name__} has order_after_compute=False: the offload "
                               "runtime tracks no per-slot last use, so its copies must wait for queued compute")
         engine = getattr(engine, "inner", None)
+
+
+def _check_store_readable(copy_engine: CopyEngine, store: HostExpertStore, device: torch.device) -> None:
+    """The Triton engine's kernel reads the host store directly on CUDA, which needs pinned memory:
+    a store that could not be pinned throughout (pinned memory ran out part-way) is named now, not
+    at the first copy from one of its pageable layers, mid-decode."""
+    engine: Any = copy_engine
+    while engine is not None and getattr(engine, "name", None) != "triton":
+        engine = getattr(engine, "inner", None)
+    if engine is None or device.type != "cuda":
+        return
+    pageable = [i for i, t in enumerate(store.layers) if t is not None and t.device.type == "cpu" and not t.is_pinned()]
+    if pageable:
+        raise ConfigError(f"cache.copy=triton reads the host expert store from the GPU, which needs pinned memory, but "
+                          f"{len(pageable)} of its {len(store.layers)} layers are not pinned (pinning failed, or the loader "
+                          "did not ask for it): use cache.copy=torch, or free pinned memory")
 
 
 def _store_spec(model_spec: MoESpec, store: HostExpertStore) -> MoESpec:

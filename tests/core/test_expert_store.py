@@ -117,6 +117,40 @@ def test_pinning_that_fails_warns_once_and_falls_back(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_pinning_that_fails_part_way_leaves_the_store_unpinned(capsys, monkeypatch):
+    """Pinned memory running out after some layers: the store is not ``pinned`` (the rest are
+    pageable), one warning says so."""
+    empty, calls = torch.empty, []
+
+    def runs_out(*args, pin_memory=False, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if pin_memory:
+            calls.append(1)
+            if len(calls) > 2:
+                raise RuntimeError("out of pinned memory")
+            return empty(*args, **kwargs)  # stands in for a pinned allocation
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", runs_out)
+    store = HostExpertStore(spec(), pin=True)
+    assert len(calls) == 3 and not store.pinned
+    assert capsys.readouterr().err.count("not pinned") == 1
+
+
+def test_the_triton_engine_on_cuda_refuses_a_store_not_pinned_throughout():
+    from specfit.core.copy_engines import EmulatedLinkEngine
+    from specfit.core.offload import _check_store_readable
+    from specfit.errors import ConfigError
+
+    class Triton:
+        name = "triton"
+
+    store = HostExpertStore(spec())  # pageable
+    for engine in (Triton(), EmulatedLinkEngine(Triton())):
+        with pytest.raises(ConfigError, match=r"cache.copy=triton .* 4 of its 4 layers are not pinned"):
+            _check_store_readable(engine, store, torch.device("cuda"))
+    _check_store_readable(Triton(), store, torch.device("cpu"))  # the interpreter on a CPU reads any memory
+
+
 def test_full_cache_keeps_the_experts_in_slots_only():
     model = tiny_model()
     engine = Engine(model, cache=FullCache(), device="cpu")
