@@ -277,7 +277,13 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
         _check_run_dir(values)
     elif flags.multirun and not (is_query or elsewhere):  # every job (up to 64), before the first one runs
         for overrides in sweep_jobs(args):
-            check_config(compose(overrides, config_name=config_name))
+            try:
+                composed = compose(overrides, config_name=config_name)
+            except ConfigError as exc:
+                if command in METHOD_COMMANDS:
+                    _explain_unfolded(overrides, config_name, exc)
+                raise
+            check_config(composed)
             _check_prompt_or_workload(_override_values(overrides))
             _check_command_keys(command, _override_values(overrides))
         _check_run_dir(_override_values(args), "hydra.sweep.dir")
@@ -323,6 +329,22 @@ def _fold_method_overrides(command: str, args: list[str], config_name: str) -> l
     if folded is plain:
         return args
     return [a for a in args if a not in plain or a in folded] + [o for o in folded if o not in args]
+
+
+def _explain_unfolded(overrides: list[str], config_name: str, error: ConfigError) -> None:
+    """A sweep job's overrides failed to compose: where a plain run would have moved some of them
+    into the presets of the methods that take them, say so (a sweep cannot: Hydra composes each job
+    from its overrides as given); where no method takes one, the fold's own error names it."""
+    from specfit.commands.bench import fold_method_overrides
+
+    folded = fold_method_overrides(overrides, config_name)
+    moved = [o for o in overrides if o not in folded]
+    if folded is not overrides and moved:
+        takers = [o.split("=", 1)[0].lstrip("+").removeprefix("method_presets.") for o in folded
+                  if o.lstrip("+").startswith("method_presets.")]
+        raise ConfigError(f"{error}. {', '.join(moved)} only applies to some methods ({', '.join(takers)}): a plain "
+                          "run moves it into their presets, a -m sweep cannot; run one plain command per value, "
+                          "or sweep the preset itself") from None
 
 
 # groups only some commands read: given to another, they would change nothing without a word

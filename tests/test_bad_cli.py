@@ -192,6 +192,11 @@ CASES: list[tuple[str, str, str]] = [
     ("bench model=tiny prompt_ids=[1] methods=[ar,ar_prefetch] prefetch.gat=false",
      "no method of methods=['ar', 'ar_prefetch'] takes it; in ar_prefetch (prefetch=auto): Could not override "
      "'prefetch.gat'. Key 'gat' not in 'AutoPrefetcherConfig'; did you mean prefetch.gate?", EARLY),
+    # a sweep cannot move an override only some methods take into their presets: it says so
+    ("bench -m model=tiny prompt_ids=[1] methods=[ar,ar_prefetch] prefetch.gate=false,true",
+     "only applies to some methods (ar_prefetch): a plain run moves it into their presets, a -m sweep cannot", EARLY),
+    ("bench -m model=tiny prompt_ids=[1] methods=[ar,ar_prefetch] prefetch.gat=false,true",
+     "no method of methods=['ar', 'ar_prefetch'] takes it", EARLY),
     ("bench model=tiny prompt_ids=[1] methods=[ar,eagle3,ar]", "methods=['ar', 'eagle3', 'ar'] names ar more than once",
      EARLY),
     ("bench model=tiny prompt_ids=[1] methods=ar", "methods=ar: methods takes a list: methods=[ar]", EARLY),
