@@ -37,6 +37,9 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
     """
     if not isinstance(cfg, DictConfig):
         raise ConfigError(f"build() takes the config specfit.compose() returns, got {type(cfg).__name__}")
+    missing = [key for key in ("model", "sampling", "cache", "max_new_tokens") if key not in cfg]
+    if missing:
+        raise ConfigError(f"build() takes the config specfit.compose() returns; this one lacks {', '.join(missing)}")
     check_config(cfg)  # a config changed after compose() gets the same checks
     for note in unused_setting_notes(cfg):
         note_once(note)
@@ -164,15 +167,20 @@ def _check_prompts_are_ids(cfg: DictConfig) -> None:
 
 def _attach_calibration(engine: Engine, prompts: Sequence[Any] | None) -> None:
     model = engine.cost_model
-    if model is None or getattr(model, "calibrated", True):
+    if model is None:
         return
     source = getattr(model, "calibration", "auto")
-    if source not in ("auto", None):
-        model.set_constants(load_constants(source))
+    if source not in ("auto", None) and not getattr(model, "calibrated", True):
+        model.set_constants(load_constants(source))  # a cost model that does not load its file when bound
+    calibrated = getattr(model, "calibrated", True)
+    loaded = getattr(getattr(model, "constants", None), "source", None) if calibrated else None
+    if source not in ("auto", None) and loaded == str(source):
         differs = setup_differences(source, engine)
         if differs:  # allowed (planning with another machine's constants), but never silently
             note_once(f"cost_model.calibration={source} was measured on another setup (its {', '.join(differs)} "
                       f"differ from this run's); its constants are used as given")
+        return
+    if calibrated:
         return
     path = calibration_path(engine)
     if path.is_file():

@@ -8,6 +8,8 @@ or a wrong type fails at composition. ``model`` and ``workload`` are plain group
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -203,7 +205,7 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictC
     from hydra.core.global_hydra import GlobalHydra
 
     store_configs()
-    if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):
+    if isinstance(overrides, (str, bytes, Mapping)) or not all(isinstance(o, str) for o in overrides):
         raise ConfigError(f"compose(overrides=...) takes a list of 'key=value' strings, got {overrides!r:.60}")
     try:
         if GlobalHydra.instance().is_initialized():

@@ -75,6 +75,8 @@ class PluginEntry:
 
 def check_plugin_instance(kind: str, obj: Any) -> None:
     """A plug-in object, before it is bound: every member of its kind's Protocol, attributes included."""
+    if isinstance(obj, type):
+        raise PluginError(f"{kind}={obj.__qualname__} is a class: pass an instance, {obj.__qualname__}(...)")
     name = getattr(obj, "name", None)
     missing = [m for m in contract(kind).members if not _has(obj, m)]
     if not isinstance(name, str):

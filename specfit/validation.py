@@ -132,6 +132,26 @@ def check_engine_args(model: Any, max_new_tokens: Any, sampling: Any) -> None:
         raise ConfigError(f"sampling must be a specfit.core.sampling.SamplingParams, got {type(sampling).__name__}")
 
 
+def check_plain_engine_args(copy: Any, link: Any, tokenizer: Any, ignore_eos: Any) -> None:
+    """``Engine(copy=, link=, tokenizer=, ignore_eos=)``: what each must be, named, before the engine
+    changes the model."""
+    from collections.abc import Mapping
+
+    from specfit.core.copy_engines import COPY_KINDS, LinkSettings
+
+    if not isinstance(copy, str) and not all(callable(getattr(copy, m, None)) for m in ("issue", "describe")):
+        raise ConfigError(f"copy={copy!r:.60} must be one of {', '.join(COPY_KINDS)} or a copy engine "
+                          "(specfit.core.copy_engines)")
+    if link is not None and not isinstance(link, (LinkSettings, Mapping)):
+        raise ConfigError(f"link={link!r:.60} must be a LinkSettings or a mapping of its fields "
+                          "(e.g. {'profile': 'qwen3-30b-a3b-pcie5'})")
+    if tokenizer is not None and not (callable(tokenizer) and callable(getattr(tokenizer, "decode", None))):
+        raise ConfigError(f"tokenizer={tokenizer!r:.60} must be a tokenizer object (e.g. AutoTokenizer.from_pretrained"
+                          "(...)), not a name")
+    if not isinstance(ignore_eos, bool):
+        raise ConfigError(f"ignore_eos={ignore_eos!r:.60} must be True or False")
+
+
 def device_arg(device: Any, key: str = "device") -> Any:
     """A torch.device from ``model.device`` / ``Engine(device=...)``, or a ConfigError naming ``key``."""
     import torch

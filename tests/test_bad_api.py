@@ -51,6 +51,7 @@ class _NotADrafter:
 CASES: list[tuple[str, Callable[..., Any], type[Exception], str]] = [
     # specfit.compose
     ("compose-a-string", lambda: specfit.compose("model=tiny"), ConfigError, "overrides"),
+    ("compose-a-dict", lambda: specfit.compose({"model": "tiny"}), ConfigError, "list of 'key=value' strings"),
     ("compose-not-strings", lambda: specfit.compose(["model=tiny", 5]), ConfigError, "overrides"),
     ("compose-plus-key", lambda: specfit.compose(["model=tiny", "+foo=1"]), ConfigError, "'foo'"),
     ("compose-plus-nested", lambda: specfit.compose(["model=tiny", "+drafter.foo=1"]), ConfigError, "drafter.foo"),
@@ -62,6 +63,8 @@ CASES: list[tuple[str, Callable[..., Any], type[Exception], str]] = [
     ("compose-config-name", lambda: specfit.compose([], config_name="nope"), ConfigError, "nope"),
     # specfit.build
     ("build-a-dict", lambda: specfit.build({"model": {"builtin": "tiny-qwen3-moe"}}), ConfigError, "build()"),
+    ("build-not-composed", lambda: specfit.build(OmegaConf.create({"model": {"builtin": "tiny-qwen3-moe"}})),
+     ConfigError, "lacks sampling"),
     ("build-changed-length", lambda: specfit.build(_composed(max_new_tokens=0)), ConfigError, "max_new_tokens"),
     ("build-changed-ids", lambda: specfit.build(_composed(stop_token_ids=[-1])), ConfigError, "stop_token_ids"),
     ("build-added-key", lambda: specfit.build(_composed(**{"drafter.foo": 1})), ConfigError, "drafter.foo"),
@@ -89,6 +92,22 @@ CASES: list[tuple[str, Callable[..., Any], type[Exception], str]] = [
       if not torch.cuda.is_available() else []),
     ("engine-context", lambda: _engine(max_model_len=1), ConfigError, "model.max_model_len"),
     ("engine-drafter", lambda: _engine(drafter=_NotADrafter()), PluginError, "drafter"),
+    ("engine-selector-class", lambda: _engine(selector=_classes()["selector"]), PluginError, "pass an instance"),
+    ("engine-prefetcher-class", lambda: _engine(prefetcher=_classes()["prefetch"]), PluginError, "pass an instance"),
+    ("engine-copy-none", lambda: _engine(copy=None), ConfigError, "copy=None must be one of"),
+    ("engine-link-name", lambda: _engine(copy="emulated", link="pcie4"), ConfigError, "link='pcie4'"),
+    ("engine-tokenizer-name", lambda: _engine(tokenizer="gpt2"), ConfigError, "tokenizer='gpt2'"),
+    ("engine-ignore-eos", lambda: _engine(ignore_eos="no"), ConfigError, "ignore_eos='no'"),
+    ("engine-model-taken", lambda: _engine_on_a_taken_model(), ModelError, "held by another Engine"),
+    ("engine-calibration-file", lambda e: _engine(**_specfit_parts(calibration="/nope/c.json")).generate([1, 2]),
+     ConfigError, "cost_model.calibration=/nope/c.json: no such file"),
+    # plug-ins built in code are checked as their configs are
+    ("cache-capacity-string", lambda: _engine(cache=_classes()["cache"](capacity="16")), ConfigError,
+     "cache.capacity='16'"),
+    ("cache-capacity-float", lambda: _engine(cache=_classes()["cache"](capacity=4.5)), ConfigError, "cache.capacity=4.5"),
+    ("predictor-prior", lambda: _classes()["predictor"](prior=-1), ConfigError, "predictor.prior"),
+    ("cost-model-window", lambda: _classes()["cost_model"](window=-1), ConfigError, "window"),
+    ("prefetch-min-benefit", lambda: _classes()["prefetch"](min_benefit="x"), ConfigError, "prefetch.min_benefit"),
     # Engine.generate(prompt, max_new_tokens, sampling)
     ("generate-float-ids", lambda e: e.generate([1.5, 2]), ConfigError, "prompt"),
     ("generate-bool-ids", lambda e: e.generate([True, 2]), ConfigError, "prompt"),
@@ -120,6 +139,31 @@ CASES: list[tuple[str, Callable[..., Any], type[Exception], str]] = [
     ("predictor-config", lambda: _plugin("predictor", _history_config(max_keys=0)), ConfigError, "predictor.max_keys"),
     ("unknown-plugin", lambda: _plugin("cache", OmegaConf.create({"name": "nope"})), PluginError, "cache"),
 ]
+
+
+def _classes() -> dict[str, type]:
+    from specfit.plugins.caches.lru import LRUCache
+    from specfit.plugins.cost_models.union import UnionCostModel
+    from specfit.plugins.predictors.history import HistoryPredictor
+    from specfit.plugins.prefetchers.auto import AutoPrefetcher
+    from specfit.plugins.selectors.specfit import SpecFitSelector
+
+    return {"cache": LRUCache, "cost_model": UnionCostModel, "predictor": HistoryPredictor, "prefetch": AutoPrefetcher,
+            "selector": SpecFitSelector}
+
+
+def _specfit_parts(**cost_model: Any) -> dict[str, Any]:
+    from specfit.plugins.drafters.eagle3.drafter import Eagle3Drafter
+
+    c = _classes()
+    return {"selector": c["selector"](), "predictor": c["predictor"](), "cost_model": c["cost_model"](**cost_model),
+            "drafter": Eagle3Drafter()}
+
+
+def _engine_on_a_taken_model() -> Engine:
+    model = tiny_model()
+    Engine(model)
+    return Engine(model)
 
 
 def _eagle3_config(**values: Any) -> Any:
@@ -161,6 +205,16 @@ def test_bad_call_raises_a_clear_error(name, call, error, needle, request):
     assert needle in message and "\n" not in message, message
     if error is ConfigError:
         assert isinstance(info.value, ValueError)
+
+
+def test_a_refused_engine_argument_leaves_the_model_to_another_engine():
+    """Plain arguments are checked before the engine takes the model's experts."""
+    model = tiny_model()
+    for bad in ({"copy": None}, {"stop_token_ids": [10**9]}, {"tokenizer": "gpt2"}, {"max_model_len": 1}):
+        with pytest.raises(ConfigError):
+            Engine(model, **bad)
+    assert Engine(model).generate([5, 17, 99], max_new_tokens=3).token_ids == \
+        Engine(tiny_model()).generate([5, 17, 99], max_new_tokens=3).token_ids
 
 
 def test_the_engine_still_works_after_bad_calls(engine):

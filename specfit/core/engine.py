@@ -34,7 +34,7 @@ from specfit.core.tree import DraftTree, VerifyBlock
 from specfit.errors import ConfigError
 from specfit.core.prefetch import LiveSink
 from specfit.interfaces import CostModel, Drafter, ExpertCache, ExpertPredictor, Prefetcher, Selector
-from specfit.validation import check_engine_args, device_arg, integer, token_ids
+from specfit.validation import check_engine_args, check_plain_engine_args, device_arg, integer, token_ids
 
 
 @dataclass
@@ -93,11 +93,38 @@ class Engine:
             defaults = default_parts(drafter=drafter, selector=selector, cache=cache)
             drafter, selector, cache = defaults["drafter"], defaults["selector"], defaults["cache"]
         check_parts({"drafter": drafter, "selector": selector, "cost_model": cost_model, "predictor": predictor,
-                     "cache": cache})
+                     "cache": cache, "prefetch": prefetcher})
+        # every plain argument before the runtime takes the model's experts (it changes the model in place)
         self.device = device_arg(device) if device is not None else default_device()
+        check_plain_engine_args(copy, link, tokenizer, ignore_eos)
         self.copy_engine = copy if not isinstance(copy, str) else make_copy_engine(copy, self.device, link)
+        stop_ids = set(token_ids("stop_token_ids", stop_token_ids, model.config.vocab_size))
+        self.max_model_len = context_limit(model.config, max_model_len)  # prompt + output never exceed it (None: no limit)
         self.runtime = OffloadRuntime(model, cache, self.copy_engine, self.device, store=expert_store,
                                       compute=expert_compute)
+        self._bind(model, tokenizer, drafter, selector, cost_model, predictor, prefetcher, numerics)
+        self.sampling = sampling or SamplingParams()
+        self.max_new_tokens = max_new_tokens
+        self.stop_token_ids = stop_ids if ignore_eos else stop_ids | _eos_ids(model, tokenizer)
+        self.info = {
+            "drafter": self.drafter.name,
+            "selector": self.selector.name,
+            "cache": self.runtime.policy.name,
+            "prefetch": prefetcher.name if prefetcher is not None else "none",
+            "cache_slots_per_layer": self.runtime.slots_per_layer,
+            "copy_engine": self.copy_engine.describe(),
+            "h2d_emulated": bool(self.copy_engine.emulated),
+            "h2d_stall_measured": self.stall_measured,  # the stall is the host's wait (see verify_compute_seconds)
+            "expert_compute": self.runtime.compute.name,
+            **numerics_info(numerics, self.spec, model),
+            **memory_info(self.runtime, model),
+            **(info or {}),
+        }
+
+    def _bind(self, model: nn.Module, tokenizer: Any, drafter: Drafter, selector: Selector,
+              cost_model: CostModel | None, predictor: ExpertPredictor | None, prefetcher: Prefetcher | None,
+              numerics: str) -> None:
+        """The model on its device and every plug-in bound to it (the runtime is installed)."""
         apply_numerics(model, numerics)  # the experts are the runtime's now: only dense weights are upcast
         model.to(self.device).eval()
         self.model = model
@@ -124,32 +151,10 @@ class Engine:
         self.prefetcher = prefetcher
         self.prefetch_sink: LiveSink | None = None
         if prefetcher is not None:  # bound with a live sink: its copies go to the runtime, checked
-            check_parts({"prefetch": prefetcher})
             self.prefetch_sink = LiveSink(prefetcher, self.runtime, cost_model)
             self.prefetch_sink.call("bind", self.target, self.prefetch_sink)
         self.copies_overlap = pipelined(self)  # cycles' times then hold the stall, not the issued copies
         self.stall_measured = waits_measured(self.copy_engine)  # its waits are the host's
-        self.sampling = sampling or SamplingParams()
-        self.max_new_tokens = max_new_tokens
-        # prompt + output never exceed this (None: the model states no limit)
-        self.max_model_len = context_limit(model.config, max_model_len)
-        self.stop_token_ids = set(token_ids("stop_token_ids", stop_token_ids, model.config.vocab_size))
-        if not ignore_eos:
-            self.stop_token_ids |= _eos_ids(model, tokenizer)
-        self.info = {
-            "drafter": self.drafter.name,
-            "selector": self.selector.name,
-            "cache": self.runtime.policy.name,
-            "prefetch": prefetcher.name if prefetcher is not None else "none",
-            "cache_slots_per_layer": self.runtime.slots_per_layer,
-            "copy_engine": self.copy_engine.describe(),
-            "h2d_emulated": bool(self.copy_engine.emulated),
-            "h2d_stall_measured": self.stall_measured,  # the stall is the host's wait (see verify_compute_seconds)
-            "expert_compute": self.runtime.compute.name,
-            **numerics_info(numerics, self.spec, model),
-            **memory_info(self.runtime, model),
-            **(info or {}),
-        }
 
     # ------------------------------------------------------------------ public API
 

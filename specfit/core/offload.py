@@ -42,6 +42,7 @@ from specfit.core.moe import MoESpec, find_experts, moe_spec
 from specfit.errors import ConfigError, ModelError, PluginError
 from specfit.interfaces.bases import ExpertCacheBase
 from specfit.interfaces.protocols import Admission
+from specfit.validation import optional_integer
 
 if TYPE_CHECKING:
     from specfit.core.copy_engines import CopyEngine, CopyTicket
@@ -103,6 +104,8 @@ class CacheStats:
 
 def resolve_capacity(spec: MoESpec, capacity: int | None, capacity_bytes: int | None, default: int) -> int:
     """Slots per layer from ``cache.capacity`` (experts) or ``cache.capacity_bytes`` (all layers)."""
+    capacity = optional_integer("cache.capacity", capacity, minimum=1)  # a cache built in code is checked here
+    capacity_bytes = optional_integer("cache.capacity_bytes", capacity_bytes, minimum=1)
     if capacity is not None and capacity_bytes is not None:
         raise ConfigError("set cache.capacity or cache.capacity_bytes, not both")
     if capacity_bytes is not None:
@@ -146,6 +149,10 @@ class OffloadRuntime:
 
     def __init__(self, model: nn.Module, policy: ExpertCache, copy_engine: CopyEngine, device: torch.device | str,
                  store: HostExpertStore | None = None, compute: str = "auto") -> None:
+        if any(isinstance(m, OffloadedExperts) for m in model.modules()):
+            raise ModelError(f"this {type(model).__name__}'s experts are held by another Engine: an Engine moves a "
+                             "model's experts into its own store, also when it then fails to build; load the model "
+                             "again, or reuse that Engine")
         experts = find_experts(model)
         spec = moe_spec(model, experts)
         self.device = torch.device(device)

@@ -52,7 +52,9 @@ class Sampler:
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution a sample is drawn from, for 1-D float logits (on the CPU, float64)."""
         p = self.params
-        scores = logits.detach().to("cpu", torch.float64) / p.temperature
+        scores = logits.detach().to("cpu", torch.float64)
+        # shifted by the max first: a tiny temperature then sends the others to -inf, never inf - inf (NaN)
+        scores = (scores - scores.max()) / p.temperature
         if p.top_k > 0:
             k = min(p.top_k, scores.numel())
             scores = scores.masked_fill(scores < torch.topk(scores, k).values[-1], -torch.inf)

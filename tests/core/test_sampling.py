@@ -36,6 +36,15 @@ def test_sampling_is_reproducible_with_a_seed():
     assert runs[0] == runs[1] != runs[2]
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-12])
+def test_a_vanishing_temperature_samples_the_argmax(temperature):
+    """logits / T overflows for a tiny T; shifted by the max first, the draw is the argmax, never NaN."""
+    logits = torch.tensor([1.0, 3.0, 2.0, -1.0])
+    sampler = Sampler(SamplingParams(temperature=temperature, seed=3))
+    assert sampler.probs(logits).tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert {sampler.token(logits, i) for i in range(20)} == {1}
+
+
 def test_stop_token_ends_generation():
     free = Engine(tiny_model(), device="cpu").generate([1, 2, 3], 12).token_ids
     stop = free[4]

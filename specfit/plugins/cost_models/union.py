@@ -15,15 +15,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from specfit.core.calibration import CostConstants, fit_constants
+from specfit.core.calibration import CostConstants, fit_constants, load_constants
 from specfit.core.search import SearchProblem, evaluate
 from specfit.errors import ConfigError
 from specfit.interfaces import CostModelBase, CostModelConfig, DraftTree
-from specfit.validation import number
+from specfit.validation import integer, number
 
 
 @dataclass
@@ -59,18 +60,29 @@ class UnionCostModel(CostModelBase):
     def __init__(self, cache_aware: bool = True, calibration: str = "auto", online: bool = False,
                  constants: CostConstants | None = None, refit_every: int = 16, window: int = 256,
                  **overrides: float | None) -> None:
+        unknown = set(overrides) - set(OVERRIDES)
+        if unknown:
+            raise ConfigError(f"cost_model: unknown constants {sorted(unknown)}")
+        UnionCostModelConfig(calibration=calibration, **overrides)  # built in code: the config's checks too
+        integer("cost_model refit_every", refit_every, minimum=1)
+        integer("cost_model window", window, minimum=1)
         self.cache_aware = cache_aware
         self.calibration = calibration
         self.online = online
         self.overrides = {k: v for k, v in overrides.items() if k in OVERRIDES and v is not None}
-        unknown = set(overrides) - set(OVERRIDES)
-        if unknown:
-            raise ConfigError(f"cost_model: unknown constants {sorted(unknown)}")
         self._constants: CostConstants | None = None
         self.refit_every, self._recent = refit_every, deque(maxlen=window)
         self._seen = 0
         if constants is not None:
             self.set_constants(constants)
+
+    def bind(self, spec: Any) -> None:
+        """A calibration file named in code (``UnionCostModel(calibration=FILE)`` given to an Engine) is
+        loaded here, as ``specfit.build`` loads it; one that does not exist yet may be where
+        ``specfit calibrate`` stores the constants, so it is named only when they are needed."""
+        super().bind(spec)
+        if not self.calibrated and self.calibration not in ("auto", None) and Path(self.calibration).exists():
+            self.set_constants(load_constants(self.calibration))
 
     @classmethod
     def from_config(cls, cfg: UnionCostModelConfig) -> UnionCostModel:
@@ -90,6 +102,8 @@ class UnionCostModel(CostModelBase):
     @property
     def constants(self) -> CostConstants:
         if self._constants is None:
+            if not self.calibrated and self.calibration not in ("auto", None):
+                load_constants(self.calibration)  # names the file and what is wrong with it
             if not self.calibrated:
                 raise ConfigError("cost_model=union is not calibrated: run `specfit calibrate`, set "
                                   "cost_model.calibration=FILE, or give cost_model.c0/c_tok/c_miss/c_hit")

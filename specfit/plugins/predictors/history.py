@@ -108,6 +108,7 @@ class HistoryPredictor(ExpertPredictorBase):
     Config = HistoryPredictorConfig
 
     def __init__(self, max_keys: int = 65536, pair_weight: float = 1.0, prior: float = 0.5) -> None:
+        HistoryPredictorConfig(max_keys=max_keys, pair_weight=pair_weight, prior=prior)  # built in code: checked too
         self.max_keys, self.pair_weight, self.prior = max_keys, pair_weight, prior
 
     def bind(self, target: Any) -> None:

@@ -35,6 +35,7 @@ import numpy as np
 
 from specfit.errors import ConfigError
 from specfit.interfaces import DraftTree, PrefetcherBase, PrefetcherConfig
+from specfit.validation import is_int, number
 
 
 @dataclass
@@ -55,10 +56,9 @@ class DraftPrefetcherConfig(PrefetcherConfig):
 
 def check_draft_settings(min_benefit: float, max_per_layer: int | None) -> None:
     """The draft prefetch's settings (``prefetch=draft`` and ``auto`` share them), one line naming the key."""
-    if not 0.0 <= min_benefit <= 1.0:
-        raise ConfigError(f"prefetch.min_benefit={min_benefit} must be in [0, 1]")
-    if max_per_layer is not None and max_per_layer < 1:
-        raise ConfigError(f"prefetch.max_per_layer={max_per_layer} must be >= 1 (or null)")
+    number("prefetch.min_benefit", min_benefit, minimum=0.0, maximum=1.0)
+    if max_per_layer is not None and (not is_int(max_per_layer) or max_per_layer < 1):
+        raise ConfigError(f"prefetch.max_per_layer={max_per_layer!r} must be an integer >= 1 (or null)")
 
 
 class DraftPrefetcher(PrefetcherBase):
