@@ -164,6 +164,8 @@ def device_arg(device: Any, key: str = "device") -> Any:
         out = torch.device(device)
     except RuntimeError:
         raise ConfigError(f"{key}={device!r} is not a torch device (cpu, cuda, cuda:N, ...)") from None
+    if out.type not in ("cpu", "cuda"):  # the copy engines and expert kernels are written for these two
+        raise ConfigError(f"{key}={device!r}: specfit runs on cpu or cuda devices")
     if out.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{key}={device!r}: no CUDA device is available (torch {torch.__version__})")
     return out

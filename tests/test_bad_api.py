@@ -88,6 +88,9 @@ CASES: list[tuple[str, Callable[..., Any], type[Exception], str]] = [
     ("engine-copy", lambda: _engine(copy="foo"), ConfigError, "cache.copy"),
     ("engine-device-name", lambda: _engine(device="tpu"), ConfigError, "device"),
     ("engine-device-int", lambda: _engine(device=3), ConfigError, "device"),
+    ("engine-device-meta", lambda: _engine(device="meta"), ConfigError, "runs on cpu or cuda"),
+    ("engine-selector-requires", lambda: _engine(selector=_requires_a_string()), PluginError, "requires='cost_model'"),
+    ("engine-cache-preload", lambda: _engine(cache=_preloads_none()), PluginError, "must return a list"),
     *([("engine-no-cuda", lambda: _engine(device="cuda:0"), ConfigError, "no CUDA device")]
       if not torch.cuda.is_available() else []),
     ("engine-context", lambda: _engine(max_model_len=1), ConfigError, "model.max_model_len"),
@@ -158,6 +161,24 @@ def _specfit_parts(**cost_model: Any) -> dict[str, Any]:
     c = _classes()
     return {"selector": c["selector"](), "predictor": c["predictor"](), "cost_model": c["cost_model"](**cost_model),
             "drafter": Eagle3Drafter()}
+
+
+def _requires_a_string() -> Any:
+    from specfit.plugins.selectors.specfit import SpecFitSelector
+
+    selector = SpecFitSelector()
+    selector.requires = "cost_model"  # a tuple of kinds; a string's letters are not kinds
+    return selector
+
+
+def _preloads_none() -> Any:
+    from specfit.plugins.caches.lru import LRUCache
+
+    class PreloadsNone(LRUCache):
+        def preload(self):  # noqa: ANN202
+            return None
+
+    return PreloadsNone(capacity=3)
 
 
 def _engine_on_a_taken_model() -> Engine:

@@ -22,7 +22,7 @@ from specfit.core.context import TokenContext
 from specfit.core.sampling import Sampler
 from specfit.core.stats import CycleRecord, prediction_overlap
 from specfit.core.tree import DraftTree, VerifyBlock, verify_block
-from specfit.errors import ConfigError
+from specfit.errors import ConfigError, PluginError
 from specfit.interfaces import CostModel, ExpertPredictor, Selection, SelectionContext, Selector
 
 
@@ -282,7 +282,11 @@ def check_parts(parts: dict[str, Any], context: str = "") -> None:
         if part is not None:
             check_plugin_instance(kind, part)
     selector = parts.get("selector")
-    for needed in getattr(selector, "requires", ()):
+    requires = getattr(selector, "requires", ())
+    if isinstance(requires, str) or not isinstance(requires, (tuple, list, set, frozenset)):
+        raise PluginError(f"selector '{getattr(selector, 'name', selector)}': requires={requires!r:.40} must be a "
+                          "tuple of part kinds, e.g. ('cost_model', 'predictor')")
+    for needed in requires:
         if parts.get(needed) is None:
             raise ConfigError(f"selector={selector.name} needs a {needed}: set {needed}=..."
                               f" (e.g. {'cost_model=union' if needed == 'cost_model' else 'predictor=history'}){context}")

@@ -78,10 +78,12 @@ def check_selection(selector: Any, tree: Any, selection: Any) -> Any:
     ancestors are all chosen too (duplicates are harmless: verification dedupes), ``stop`` is a
     bool and ``predicted`` maps names to numbers. Returns ``selection``."""
     hook = "select"
-    nodes = getattr(selection, "nodes", None)
-    if nodes is None or not hasattr(selection, "stop") or not hasattr(selection, "predicted"):
+    if not all(hasattr(selection, a) for a in ("nodes", "stop", "predicted")):
         raise violation("selector", selector, hook, f"returned {type(selection).__name__}, "
                         "expected a specfit.interfaces.Selection(nodes, stop, predicted)")
+    nodes = selection.nodes
+    if isinstance(nodes, (str, bytes)) or not hasattr(nodes, "__iter__"):
+        raise violation("selector", selector, hook, f"Selection.nodes={nodes!r:.40} must be a list of node ids")
     check_flag("selector", selector, hook, selection.stop, "Selection.stop")
     predicted = selection.predicted
     if not isinstance(predicted, dict) or not all(

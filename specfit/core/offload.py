@@ -549,7 +549,11 @@ def bind_cache(policy: ExpertCache, spec: MoESpec) -> int:
 def cache_preload(policy: ExpertCache, spec: MoESpec, slots: int) -> dict[int, list[tuple[int, int]]]:
     """``policy.preload()`` checked and grouped by layer: {layer: [(expert, slot), ...]}."""
     by_layer: dict[int, list[tuple[int, int]]] = {}
-    for entry in guard.call("cache", policy, "preload"):
+    entries = guard.call("cache", policy, "preload")
+    if isinstance(entries, (str, bytes)) or not hasattr(entries, "__iter__"):
+        raise guard.violation("cache", policy, "preload", f"must return a list of (layer, expert, slot), got "
+                              f"{entries!r:.40}")
+    for entry in entries:
         try:
             layer, expert, slot = (int(x) for x in entry)
         except (TypeError, ValueError):

@@ -76,6 +76,8 @@ class BadSelector(TopByPathProbSelector):
                 return Selection(nodes=nodes, stop="yes")
             case "not_a_selection":
                 return nodes
+            case "nodes_none":
+                return Selection(nodes=None)
             case "predicted_not_numbers":
                 return Selection(nodes=nodes, predicted={"rho": "high"})
             case "select_raises":
@@ -258,6 +260,7 @@ CASES = {
     "selector_float_ids": (sel("floats"), "selector", "badsel", "select", "node ids (ints)", None),
     "selector_stop_not_bool": (sel("stop_not_bool"), "selector", "badsel", "select", "Selection.stop must be a bool", None),
     "selector_not_a_selection": (sel("not_a_selection"), "selector", "badsel", "select", "expected a specfit.interfaces.Selection", None),
+    "selector_nodes_none": (sel("nodes_none"), "selector", "badsel", "select", "Selection.nodes=None must be a list of node ids", None),
     "selector_predicted": (sel("predicted_not_numbers"), "selector", "badsel", "select", "Selection.predicted", None),
     "selector_select_raises": (sel("select_raises"), "selector", "badsel", "select", "raised ZeroDivisionError: division by zero in the selector", ZeroDivisionError),
     "selector_bind_raises": (sel("bind_raises"), "selector", "badsel", "bind", "raised Boom: cannot bind", Boom),
