@@ -174,7 +174,7 @@ def _attach_calibration(engine: Engine, prompts: Sequence[Any] | None) -> None:
         model.set_constants(load_constants(source))  # a cost model that does not load its file when bound
     calibrated = getattr(model, "calibrated", True)
     loaded = getattr(getattr(model, "constants", None), "source", None) if calibrated else None
-    if source not in ("auto", None) and loaded == str(source):
+    if source not in ("auto", None) and loaded == str(Path(source).expanduser()):
         differs = setup_differences(source, engine)
         if differs:  # allowed (planning with another machine's constants), but never silently
             note_once(f"cost_model.calibration={source} was measured on another setup (its {', '.join(differs)} "

@@ -281,7 +281,7 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
                 composed = compose(overrides, config_name=config_name)
             except ConfigError as exc:
                 if command in METHOD_COMMANDS:
-                    _explain_unfolded(overrides, config_name, exc)
+                    _explain_unfolded(command, overrides, config_name, exc)
                 raise
             check_config(composed)
             _check_prompt_or_workload(_override_values(overrides))
@@ -331,15 +331,13 @@ def _fold_method_overrides(command: str, args: list[str], config_name: str) -> l
     return [a for a in args if a not in plain or a in folded] + [o for o in folded if o not in args]
 
 
-def _explain_unfolded(overrides: list[str], config_name: str, error: ConfigError) -> None:
+def _explain_unfolded(command: str, overrides: list[str], config_name: str, error: ConfigError) -> None:
     """A sweep job's overrides failed to compose: where a plain run would have moved some of them
     into the presets of the methods that take them, say so (a sweep cannot: Hydra composes each job
     from its overrides as given); where no method takes one, the fold's own error names it."""
-    from specfit.commands.bench import fold_method_overrides
-
-    folded = fold_method_overrides(overrides, config_name)
+    folded = _fold_method_overrides(command, overrides, config_name)  # a replay's keys checked first
     moved = [o for o in overrides if o not in folded]
-    if folded is not overrides and moved:
+    if moved:
         takers = [o.split("=", 1)[0].lstrip("+").removeprefix("method_presets.") for o in folded
                   if o.lstrip("+").startswith("method_presets.")]
         raise ConfigError(f"{error}. {', '.join(moved)} only applies to some methods ({', '.join(takers)}): a plain "

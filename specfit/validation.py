@@ -132,14 +132,21 @@ def check_engine_args(model: Any, max_new_tokens: Any, sampling: Any) -> None:
         raise ConfigError(f"sampling must be a specfit.core.sampling.SamplingParams, got {type(sampling).__name__}")
 
 
-def check_plain_engine_args(copy: Any, link: Any, tokenizer: Any, ignore_eos: Any) -> None:
-    """``Engine(copy=, link=, tokenizer=, ignore_eos=)``: what each must be, named, before the engine
-    changes the model."""
+def is_collection(value: Any) -> bool:
+    """Iterable items (a list, tuple, set, array), not a string (whose letters would pass as items)."""
+    return not isinstance(value, (str, bytes)) and hasattr(value, "__iter__")
+
+
+def check_plain_engine_args(device: Any, copy: Any, link: Any, tokenizer: Any, ignore_eos: Any) -> None:
+    """``Engine(device=, copy=, link=, tokenizer=, ignore_eos=)``: what each must be, named, before the
+    engine changes the model (``device`` already a torch.device)."""
     from collections.abc import Mapping
 
-    from specfit.core.copy_engines import COPY_KINDS, LinkSettings
+    from specfit.core.copy_engines import COPY_KINDS, CopyEngine, LinkSettings
 
-    if not isinstance(copy, str) and not all(callable(getattr(copy, m, None)) for m in ("issue", "describe")):
+    if device.type not in ("cpu", "cuda"):  # the copy engines and expert kernels are written for these two
+        raise ConfigError(f"device={str(device)!r}: an Engine runs on cpu or cuda devices")
+    if not isinstance(copy, (str, CopyEngine)):
         raise ConfigError(f"copy={copy!r:.60} must be one of {', '.join(COPY_KINDS)} or a copy engine "
                           "(specfit.core.copy_engines)")
     if link is not None and not isinstance(link, (LinkSettings, Mapping)):
@@ -164,8 +171,6 @@ def device_arg(device: Any, key: str = "device") -> Any:
         out = torch.device(device)
     except RuntimeError:
         raise ConfigError(f"{key}={device!r} is not a torch device (cpu, cuda, cuda:N, ...)") from None
-    if out.type not in ("cpu", "cuda"):  # the copy engines and expert kernels are written for these two
-        raise ConfigError(f"{key}={device!r}: specfit runs on cpu or cuda devices")
     if out.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{key}={device!r}: no CUDA device is available (torch {torch.__version__})")
     return out

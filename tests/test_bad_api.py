@@ -88,7 +88,7 @@ CASES: list[tuple[str, Callable[..., Any], type[Exception], str]] = [
     ("engine-copy", lambda: _engine(copy="foo"), ConfigError, "cache.copy"),
     ("engine-device-name", lambda: _engine(device="tpu"), ConfigError, "device"),
     ("engine-device-int", lambda: _engine(device=3), ConfigError, "device"),
-    ("engine-device-meta", lambda: _engine(device="meta"), ConfigError, "runs on cpu or cuda"),
+    ("engine-device-meta", lambda: _engine(device="meta"), ConfigError, "Engine runs on cpu or cuda"),
     ("engine-selector-requires", lambda: _engine(selector=_requires_a_string()), PluginError, "requires='cost_model'"),
     ("engine-cache-preload", lambda: _engine(cache=_preloads_none()), PluginError, "must return a list"),
     *([("engine-no-cuda", lambda: _engine(device="cuda:0"), ConfigError, "no CUDA device")]

@@ -23,6 +23,7 @@ from specfit.core.sampling import Sampler
 from specfit.core.stats import CycleRecord, prediction_overlap
 from specfit.core.tree import DraftTree, VerifyBlock, verify_block
 from specfit.errors import ConfigError, PluginError
+from specfit.validation import is_collection
 from specfit.interfaces import CostModel, ExpertPredictor, Selection, SelectionContext, Selector
 
 
@@ -283,7 +284,7 @@ def check_parts(parts: dict[str, Any], context: str = "") -> None:
             check_plugin_instance(kind, part)
     selector = parts.get("selector")
     requires = getattr(selector, "requires", ())
-    if isinstance(requires, str) or not isinstance(requires, (tuple, list, set, frozenset)):
+    if not is_collection(requires):
         raise PluginError(f"selector '{getattr(selector, 'name', selector)}': requires={requires!r:.40} must be a "
                           "tuple of part kinds, e.g. ('cost_model', 'predictor')")
     for needed in requires:

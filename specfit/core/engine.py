@@ -96,7 +96,7 @@ class Engine:
                      "cache": cache, "prefetch": prefetcher})
         # every plain argument before the runtime takes the model's experts (it changes the model in place)
         self.device = device_arg(device) if device is not None else default_device()
-        check_plain_engine_args(copy, link, tokenizer, ignore_eos)
+        check_plain_engine_args(self.device, copy, link, tokenizer, ignore_eos)
         self.copy_engine = copy if not isinstance(copy, str) else make_copy_engine(copy, self.device, link)
         stop_ids = set(token_ids("stop_token_ids", stop_token_ids, model.config.vocab_size))
         self.max_model_len = context_limit(model.config, max_model_len)  # prompt + output never exceed it (None: no limit)

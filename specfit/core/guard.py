@@ -20,6 +20,7 @@ import numpy as np
 
 from specfit.core.tree import subtree_problem
 from specfit.errors import PluginError, SpecfitError
+from specfit.validation import is_collection
 
 _MAX_DETAIL = 300  # characters of a plug-in's own exception message kept in the one-line error
 
@@ -82,7 +83,7 @@ def check_selection(selector: Any, tree: Any, selection: Any) -> Any:
         raise violation("selector", selector, hook, f"returned {type(selection).__name__}, "
                         "expected a specfit.interfaces.Selection(nodes, stop, predicted)")
     nodes = selection.nodes
-    if isinstance(nodes, (str, bytes)) or not hasattr(nodes, "__iter__"):
+    if not is_collection(nodes):
         raise violation("selector", selector, hook, f"Selection.nodes={nodes!r:.40} must be a list of node ids")
     check_flag("selector", selector, hook, selection.stop, "Selection.stop")
     predicted = selection.predicted

@@ -42,7 +42,7 @@ from specfit.core.moe import MoESpec, find_experts, moe_spec
 from specfit.errors import ConfigError, ModelError, PluginError
 from specfit.interfaces.bases import ExpertCacheBase
 from specfit.interfaces.protocols import Admission
-from specfit.validation import optional_integer
+from specfit.validation import is_collection, optional_integer
 
 if TYPE_CHECKING:
     from specfit.core.copy_engines import CopyEngine, CopyTicket
@@ -168,11 +168,14 @@ class OffloadRuntime:
         # every expert of every layer preloaded (cache=full): the slots will hold the only copy
         self.preloads_all = self.slots_per_layer == spec.num_experts and all(
             len(preload.get(layer, ())) == spec.num_experts for layer in range(spec.num_layers))
+        if store is not None and not self.preloads_all:  # a full cache copies nothing through the engine
+            _check_store_readable(copy_engine, store, self.device)  # a loader's store: before the model changes
         if store is None:  # pinned for fast copies, unless it is only read once by the preload
             store = HostExpertStore.from_modules(experts, spec, pin=self.device.type == "cuda" and not self.preloads_all)
+            if not self.preloads_all:
+                _check_store_readable(copy_engine, store, self.device, " (the model's experts are in that store "
+                                      "now: load the model again)")
         self.store = store
-        if not self.preloads_all:  # a full cache copies nothing through the engine
-            _check_store_readable(copy_engine, store, self.device)
         for layer, (name, module) in enumerate(experts):
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
@@ -503,28 +506,32 @@ def _check_copy_order(copy_engine: CopyEngine) -> None:
     """The runtime keeps no per-slot event of a slot's last use: a copy engine (or the engine an
     emulated link wraps) must order its copies after the compute queued before them, or a copy
     could overwrite a slot that queued compute still reads."""
-    engine: Any = copy_engine
-    while engine is not None:
+    for engine in _engines_within(copy_engine):
         if getattr(engine, "order_after_compute", True) is False:
             raise ConfigError(f"copy engine {type(engine).__name__} has order_after_compute=False: the offload "
                               "runtime tracks no per-slot last use, so its copies must wait for queued compute")
+
+
+def _engines_within(copy_engine: CopyEngine) -> Iterator[Any]:
+    """The copy engine and the engines it wraps (an emulated link's real engine, ``inner``)."""
+    engine: Any = copy_engine
+    while engine is not None:
+        yield engine
         engine = getattr(engine, "inner", None)
 
 
-def _check_store_readable(copy_engine: CopyEngine, store: HostExpertStore, device: torch.device) -> None:
+def _check_store_readable(copy_engine: CopyEngine, store: HostExpertStore, device: torch.device,
+                          after: str = "") -> None:
     """The Triton engine's kernel reads the host store directly on CUDA, which needs pinned memory:
     a store that could not be pinned throughout (pinned memory ran out part-way) is named now, not
     at the first copy from one of its pageable layers, mid-decode."""
-    engine: Any = copy_engine
-    while engine is not None and getattr(engine, "name", None) != "triton":
-        engine = getattr(engine, "inner", None)
-    if engine is None or device.type != "cuda":
+    if device.type != "cuda" or not any(getattr(e, "name", None) == "triton" for e in _engines_within(copy_engine)):
         return
     pageable = [i for i, t in enumerate(store.layers) if t is not None and t.device.type == "cpu" and not t.is_pinned()]
     if pageable:
-        raise ConfigError(f"cache.copy=triton reads the host expert store from the GPU, which needs pinned memory, but "
-                          f"{len(pageable)} of its {len(store.layers)} layers are not pinned (pinning failed, or the loader "
-                          "did not ask for it): use cache.copy=torch, or free pinned memory")
+        raise ConfigError(f"cache.copy=triton reads the host expert store from the GPU, which needs pinned memory, "
+                          f"but {len(pageable)} of its {len(store.layers)} layers are not pinned (pinning failed, or "
+                          f"the loader did not ask for it): use cache.copy=torch, or free pinned memory{after}")
 
 
 def _store_spec(model_spec: MoESpec, store: HostExpertStore) -> MoESpec:
@@ -550,7 +557,7 @@ def cache_preload(policy: ExpertCache, spec: MoESpec, slots: int) -> dict[int, l
     """``policy.preload()`` checked and grouped by layer: {layer: [(expert, slot), ...]}."""
     by_layer: dict[int, list[tuple[int, int]]] = {}
     entries = guard.call("cache", policy, "preload")
-    if isinstance(entries, (str, bytes)) or not hasattr(entries, "__iter__"):
+    if not is_collection(entries):
         raise guard.violation("cache", policy, "preload", f"must return a list of (layer, expert, slot), got "
                               f"{entries!r:.40}")
     for entry in entries:

@@ -254,6 +254,35 @@ def test_calibrate_command_stores_the_constants_in_the_file_named(tmp_path, monk
           f"hydra.run.dir={tmp_path / 'run'}"])
     assert f"stored: {file}" in capsys.readouterr().out
     assert load_constants(file).c0 > 0 and not (tmp_path / "home").exists()
+    file.write_text("{damaged")  # a damaged file is measured over, not a reason to refuse
+    main(["calibrate", "model=tiny", "max_new_tokens=12", f"cost_model.calibration={file}",
+          f"hydra.run.dir={tmp_path / 'run2'}"])
+    assert load_constants(file).c0 > 0
+
+
+def test_a_calibration_file_given_in_code_is_loaded_when_bound(tmp_path, monkeypatch, capsys):
+    """UnionCostModel(calibration=FILE) given to an Engine (no specfit.build) loads FILE, a path or a
+    string, ~ expanded; a damaged one is named when the constants are first needed."""
+    from specfit.core.calibration import save_constants
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    file = tmp_path / "c.json"
+
+    def engine(cost_model: UnionCostModel) -> Engine:
+        return Engine(tiny_model(), drafter=ScriptedDrafter(reference(), vocab=256), selector=SpecFitSelector(),
+                      predictor=HistoryPredictor(), cost_model=cost_model, device="cpu")
+
+    save_constants(file, CONSTANTS, engine(UnionCostModel(constants=CONSTANTS)), {})
+    for given in (file, str(file), "~/c.json"):
+        model = UnionCostModel(calibration=given)
+        engine(model)
+        assert model.calibrated and model.constants.c0 == CONSTANTS.c0
+    assert UnionCostModel(calibration=None).calibration == "auto"
+    file.write_text("{damaged")
+    model = UnionCostModel(calibration=file)
+    engine(model)
+    with pytest.raises(ConfigError, match=f"cost_model.calibration={file}"):
+        model.constants
 
 
 def test_specfit_without_cost_model_or_predictor_is_a_clear_error_before_decoding():

@@ -13,6 +13,7 @@ R_l, charged c_hit plus what remains of its wait when its layer runs (``arrival_
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,8 @@ class UnionCostModel(CostModelBase):
         unknown = set(overrides) - set(OVERRIDES)
         if unknown:
             raise ConfigError(f"cost_model: unknown constants {sorted(unknown)}")
+        calibration = "auto" if calibration is None else os.fspath(calibration) if isinstance(
+            calibration, os.PathLike) else calibration
         UnionCostModelConfig(calibration=calibration, **overrides)  # built in code: the config's checks too
         integer("cost_model refit_every", refit_every, minimum=1)
         integer("cost_model window", window, minimum=1)
@@ -81,8 +84,12 @@ class UnionCostModel(CostModelBase):
         loaded here, as ``specfit.build`` loads it; one that does not exist yet may be where
         ``specfit calibrate`` stores the constants, so it is named only when they are needed."""
         super().bind(spec)
-        if not self.calibrated and self.calibration not in ("auto", None) and Path(self.calibration).exists():
-            self.set_constants(load_constants(self.calibration))
+        file = None if self.calibration in ("auto", None) else Path(self.calibration).expanduser()
+        if not self.calibrated and file is not None and file.exists():
+            try:
+                self.set_constants(load_constants(self.calibration))
+            except ConfigError:  # damaged or old: `specfit calibrate` may be about to replace it
+                pass  # (constants names the file and its fault when they are needed)
 
     @classmethod
     def from_config(cls, cfg: UnionCostModelConfig) -> UnionCostModel:

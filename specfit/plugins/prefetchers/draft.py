@@ -35,7 +35,7 @@ import numpy as np
 
 from specfit.errors import ConfigError
 from specfit.interfaces import DraftTree, PrefetcherBase, PrefetcherConfig
-from specfit.validation import is_int, number
+from specfit.validation import number, optional_integer
 
 
 @dataclass
@@ -57,8 +57,7 @@ class DraftPrefetcherConfig(PrefetcherConfig):
 def check_draft_settings(min_benefit: float, max_per_layer: int | None) -> None:
     """The draft prefetch's settings (``prefetch=draft`` and ``auto`` share them), one line naming the key."""
     number("prefetch.min_benefit", min_benefit, minimum=0.0, maximum=1.0)
-    if max_per_layer is not None and (not is_int(max_per_layer) or max_per_layer < 1):
-        raise ConfigError(f"prefetch.max_per_layer={max_per_layer!r} must be an integer >= 1 (or null)")
+    optional_integer("prefetch.max_per_layer", max_per_layer, minimum=1)
 
 
 class DraftPrefetcher(PrefetcherBase):
