@@ -129,6 +129,10 @@ CASES: list[tuple[str, Callable[..., Any], type[Exception], str]] = [
     ("generate-length-float", lambda e: e.generate([1], max_new_tokens=1.5), ConfigError, "max_new_tokens"),
     ("generate-length-string", lambda e: e.generate([1], max_new_tokens="3"), ConfigError, "max_new_tokens"),
     ("generate-sampling-dict", lambda e: e.generate([1], sampling={"temperature": 0}), ConfigError, "sampling"),
+    ("generate-accept-limit", lambda e: e.generate([1], accept_limit="2"), ConfigError, "accept_limit='2'"),
+    ("generate-accept-limit-sampled", lambda e: e.generate([1], sampling=SamplingParams(temperature=1.0),
+                                                          accept_limit=0), ConfigError, "needs greedy decoding"),
+    ("generate-observers", lambda e: e.generate([1], observers=[object()]), ConfigError, "observers="),
     # SamplingParams and plugin configs built by hand
     ("sampling-nan", lambda: SamplingParams(temperature=float("nan")), ConfigError, "sampling.temperature"),
     ("sampling-negative", lambda: SamplingParams(temperature=-1.0), ConfigError, "sampling.temperature"),

@@ -34,7 +34,9 @@ from specfit.core.tree import DraftTree, VerifyBlock
 from specfit.errors import ConfigError
 from specfit.core.prefetch import LiveSink
 from specfit.interfaces import CostModel, Drafter, ExpertCache, ExpertPredictor, Prefetcher, Selector
-from specfit.validation import check_engine_args, check_plain_engine_args, device_arg, integer, token_ids
+from specfit.validation import (
+    check_engine_args, check_plain_engine_args, device_arg, integer, is_collection, token_ids,
+)
 
 
 @dataclass
@@ -179,6 +181,13 @@ class Engine:
         ids = self.check_prompt(prompt)
         limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         check_engine_args(self.model, limit, sampling)
+        if accept_limit is not None:
+            integer("accept_limit", accept_limit, minimum=0)
+            if not (sampling or self.sampling).greedy:
+                raise ConfigError("accept_limit (trace recording) needs greedy decoding (sampling.temperature=0)")
+        if not is_collection(observers) or not all(callable(getattr(o, hook, None)) for o in observers
+                                                   for hook in ("on_prefill", "on_cycle")):
+            raise ConfigError(f"observers={observers!r:.60} must be a list of objects with on_prefill and on_cycle")
         predictor = self.predictor if predict else None
         selector = self.selector if selector is None else selector
         if selector is not self.selector or predictor is not self.predictor:  # checked as the engine's own are
