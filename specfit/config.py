@@ -9,7 +9,6 @@ or a wrong type fails at composition. ``model`` and ``workload`` are plain group
 from __future__ import annotations
 
 from collections.abc import Mapping
-
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 

@@ -74,6 +74,11 @@ class CacheStats:
     timed_copies: int = 0
     timed_copy_seconds: float = 0.0
 
+    @property
+    def timed_copy_mean(self) -> float:
+        """Seconds one expert's copy took on the device, over the timed ones (0.0: none timed yet)."""
+        return self.timed_copy_seconds / self.timed_copies if self.timed_copies else 0.0
+
     def copy(self) -> CacheStats:
         return dataclasses.replace(self, union_sum=self.union_sum.copy())
 
@@ -168,13 +173,12 @@ class OffloadRuntime:
         # every expert of every layer preloaded (cache=full): the slots will hold the only copy
         self.preloads_all = self.slots_per_layer == spec.num_experts and all(
             len(preload.get(layer, ())) == spec.num_experts for layer in range(spec.num_layers))
-        if store is not None and not self.preloads_all:  # a full cache copies nothing through the engine
-            _check_store_readable(copy_engine, store, self.device)  # a loader's store: before the model changes
-        if store is None:  # pinned for fast copies, unless it is only read once by the preload
+        built = store is None
+        if built:  # pinned for fast copies, unless it is only read once by the preload
             store = HostExpertStore.from_modules(experts, spec, pin=self.device.type == "cuda" and not self.preloads_all)
-            if not self.preloads_all:
-                _check_store_readable(copy_engine, store, self.device, " (the model's experts are in that store "
-                                      "now: load the model again)")
+        if not self.preloads_all:  # a full cache copies nothing through the engine; checked before the swap below
+            _check_store_readable(copy_engine, store, self.device,
+                                  " (the model's experts are in that store now: load the model again)" if built else "")
         self.store = store
         for layer, (name, module) in enumerate(experts):
             parent_name, _, attr = name.rpartition(".")
@@ -329,17 +333,13 @@ class OffloadRuntime:
         experts = self.slot_expert[layers, slots]
         held = resident[layers, experts]  # a scratch slot's leftover (cache=none) is not resident
         out[layers[held], experts[held]] = 0.0
-        unknown = None  # an unsettled CUDA copy in flight: its ticket knows only the enqueue time
         for layer, pending in enumerate(self._pending):
             for slot, ticket in pending.items():
                 expert = int(self.slot_expert[layer, slot])
                 if expert >= 0 and resident[layer, expert]:
                     left = ticket.remaining()
-                    if left > 0.0 and ticket in self._unsettled:
-                        if unknown is None:  # one copy's measured time (the enqueue time before any)
-                            stats = self.stats
-                            unknown = stats.timed_copy_seconds / stats.timed_copies if stats.timed_copies else 0.0
-                        left = max(left, unknown)
+                    if left > 0.0 and ticket in self._unsettled:  # CUDA in flight: its ticket knows the enqueue
+                        left = max(left, self.stats.timed_copy_mean)  # time only; one copy's measured time
                     out[layer, expert] = left
         return out
 

@@ -228,7 +228,7 @@ class LiveSink(PrefetchSink):
             return float(charge(1, self.spec.expert_bytes))
         stats = self.runtime.stats  # a real link: what its copies (demand and prefetch) took so far
         if stats.timed_copies:  # timed on the device (CUDA) once waited, or settled when a decode ends
-            return stats.timed_copy_seconds / stats.timed_copies
+            return stats.timed_copy_mean
         copied = self._copied()
         return stats.h2d_seconds / copied if copied else 0.0
 
