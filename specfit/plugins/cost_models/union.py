@@ -84,8 +84,7 @@ class UnionCostModel(CostModelBase):
         loaded here, as ``specfit.build`` loads it; one that does not exist yet may be where
         ``specfit calibrate`` stores the constants, so it is named only when they are needed."""
         super().bind(spec)
-        file = None if self.calibration in ("auto", None) else Path(self.calibration).expanduser()
-        if not self.calibrated and file is not None and file.exists():
+        if not self.calibrated and self.calibration != "auto" and Path(self.calibration).expanduser().exists():
             try:
                 self.set_constants(load_constants(self.calibration))
             except ConfigError:  # damaged or old: `specfit calibrate` may be about to replace it
@@ -109,12 +108,13 @@ class UnionCostModel(CostModelBase):
     @property
     def constants(self) -> CostConstants:
         if self._constants is None:
-            if not self.calibrated and self.calibration not in ("auto", None):
-                load_constants(self.calibration)  # names the file and what is wrong with it
-            if not self.calibrated:
+            if self.calibrated:  # all four constants given
+                self.set_constants(CostConstants(c0=0.0, c_tok=0.0, c_miss=0.0, c_hit=0.0, source="config"))
+            elif self.calibration != "auto":  # the file bind could not load: loads it now, or names its fault
+                self.set_constants(load_constants(self.calibration))
+            else:
                 raise ConfigError("cost_model=union is not calibrated: run `specfit calibrate`, set "
                                   "cost_model.calibration=FILE, or give cost_model.c0/c_tok/c_miss/c_hit")
-            self.set_constants(CostConstants(c0=0.0, c_tok=0.0, c_miss=0.0, c_hit=0.0, source="config"))
         return self._constants
 
     @property
