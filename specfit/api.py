@@ -65,7 +65,7 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
         loaded.model,
         tokenizer=loaded.tokenizer,
         copy=cache_cfg["copy"],
-        link=LinkSettings(**OmegaConf.to_container(cache_cfg.link)),
+        link=LinkSettings(**OmegaConf.to_container(cache_cfg.link)) if cache_cfg["copy"] == "emulated" else None,
         device=None if cfg.model.device == "auto" else cfg.model.device,
         sampling=SamplingParams(**OmegaConf.to_container(cfg.sampling)),
         max_new_tokens=cfg.max_new_tokens,

@@ -262,3 +262,16 @@ def test_top_k_wider_than_the_heads_draft_vocabulary_names_drafter_top_k():
     head = random_head(dataclasses.replace(head_config_for(model), draft_vocab_size=16))
     with pytest.raises(ConfigError, match=r"drafter\.top_k=20 exceeds the EAGLE-3 head's draft vocabulary \(16"):
         Engine(model, drafter=Eagle3Drafter(top_k=20, head=head), device="cpu")
+
+
+def test_engine_notes_a_link_no_copy_engine_reads(capsys: pytest.CaptureFixture[str]) -> None:
+    """link= with copy='torch' changes nothing: said once on stderr (as the config's note does), not
+    silently dropped; with copy='emulated', and from build() (which passes the link only to the
+    emulated engine), nothing is said."""
+    from specfit.core.copy_engines import LinkSettings
+
+    Engine(tiny_model(), copy="torch", link=LinkSettings(latency_us=1.0))
+    assert "link= sets the emulated link, which only copy='emulated' charges" in capsys.readouterr().err
+    Engine(tiny_model(), copy="emulated", link=LinkSettings(latency_us=1.0))
+    specfit.build(specfit.compose(["model=tiny", "cache.copy=torch"]))
+    assert "link=" not in capsys.readouterr().err

@@ -9,6 +9,7 @@ next token.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -99,6 +100,9 @@ class Engine:
         # every plain argument before the runtime takes the model's experts (it changes the model in place)
         self.device = device_arg(device) if device is not None else default_device()
         check_plain_engine_args(self.device, copy, link, tokenizer, ignore_eos)
+        if link is not None and copy != "emulated":  # as the config's note says: set for the runs it applies to
+            print(f"specfit: note: link= sets the emulated link, which only copy='emulated' charges; "
+                  f"copy={copy if isinstance(copy, str) else type(copy).__name__!r} does not read it", file=sys.stderr)
         self.copy_engine = copy if not isinstance(copy, str) else make_copy_engine(copy, self.device, link)
         stop_ids = set(token_ids("stop_token_ids", stop_token_ids, model.config.vocab_size))
         self.max_model_len = context_limit(model.config, max_model_len)  # prompt + output never exceed it (None: no limit)
