@@ -275,3 +275,14 @@ def test_engine_notes_a_link_no_copy_engine_reads(capsys: pytest.CaptureFixture[
     Engine(tiny_model(), copy="emulated", link=LinkSettings(latency_us=1.0))
     specfit.build(specfit.compose(["model=tiny", "cache.copy=torch"]))
     assert "link=" not in capsys.readouterr().err
+
+
+def test_eagle3_without_a_head_says_its_head_is_random(capsys: pytest.CaptureFixture[str]) -> None:
+    """Eagle3Drafter() on a model with no draft head drafts with a random head: said, since its drafts
+    are almost never accepted; drafter.path=random (asked for) is not remarked on."""
+    from specfit.plugins.drafters.eagle3.drafter import Eagle3Drafter
+
+    Engine(tiny_model(), drafter=Eagle3Drafter())
+    assert "drafter=eagle3 has no head" in capsys.readouterr().err
+    Engine(tiny_model(), drafter=Eagle3Drafter(path="random"))
+    assert "has no head" not in capsys.readouterr().err

@@ -13,6 +13,7 @@ does its acceptance probe's logit, where the head directory has one (:mod:`.prob
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -159,6 +160,10 @@ class Eagle3Drafter(DrafterBase):
     def bind(self, target: Any) -> None:
         model = target.model
         if self.head is None:  # no path (specfit.build sets it to model.draft_head when the model has one)
+            if self.path is None:  # not asked for (path=random): a user who left the path out should hear it
+                print("specfit: note: drafter=eagle3 has no head (drafter.path is null and the model has no "
+                      "draft_head), so a random head drafts and few drafts will be accepted; set drafter.path "
+                      "to an EAGLE-3 head directory, or drafter.path=random to choose this", file=sys.stderr)
             self.head = random_head(head_config_for(model), seed=self.seed)
         cfg, tc = self.head.cfg, model.config
         check_head_fits(self.head, tc)  # names the head and the mismatch
