@@ -15,8 +15,8 @@ from specfit.core.calibration import (
 )
 from specfit.core.acceptance_estimators import attach_acceptance, note_state_file_setup
 from specfit.core.copy_engines import LinkSettings
-from specfit.core.engine import Engine
-from specfit.core.loading import load_target
+from specfit.core.engine import Engine, default_device
+from specfit.core.loading import LoadedModel, engine_copy, load_target, share_experts
 from specfit.core.sampling import SamplingParams
 from specfit.core.setup_state import attach_setup_state
 from specfit.config import check_config, unused_setting_notes
@@ -24,11 +24,16 @@ from specfit.config_messages import note_once
 from specfit.errors import ConfigError, ModelError
 from specfit.files import missing_directory
 from specfit.registry import get_plugins
+from specfit.validation import device_arg
 
 
 def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, calibrate_now: bool = True,
-          check_prompts: Sequence[Any] = ()) -> Engine:
+          check_prompts: Sequence[Any] = (), shared_target: LoadedModel | None = None) -> Engine:
     """An :class:`Engine` for a composed config: loads the model, builds every plugin by name.
+
+    ``shared_target``: the config's model, loaded once with its experts in a shared store
+    (:func:`load_shared_target`); the engine gets its own copy of the dense weights and reads the
+    experts from that store instead of loading the model again.
 
     A cost model with ``calibration=auto`` gets this setup's stored constants, measured now (and
     stored) the first time (unless ``calibrate_now`` is false: `specfit calibrate` measures itself).
@@ -57,7 +62,7 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
     prefetcher = plugins["prefetch"].create(prefetch_cfg) if prefetch_cfg is not None else None
     if prefetcher is not None and prefetcher.name == "none":
         prefetcher = None
-    loaded = load_target(OmegaConf.to_object(cfg.model))
+    loaded = engine_copy(shared_target) if shared_target is not None else load_target(OmegaConf.to_object(cfg.model))
     if loaded.tokenizer is None:
         _check_prompts_are_ids(cfg)
     cache_cfg = cfg.cache
@@ -91,6 +96,14 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
     attach_setup_state(engine)  # the selector starts from what earlier engines of this setup learned
     note_state_file_setup(engine.selector, acceptance_setup(engine))
     return engine
+
+
+def load_shared_target(cfg: DictConfig) -> LoadedModel:
+    """The model of a composed config, loaded once for several engines (``build(...,
+    shared_target=)``): its experts in one host store, pinned when the engines run on a GPU."""
+    model_cfg = OmegaConf.to_object(cfg.model)
+    device = default_device() if model_cfg.device == "auto" else device_arg(model_cfg.device, "model.device")
+    return share_experts(load_target(model_cfg), pin=device.type == "cuda")
 
 
 # The plug-ins an engine gets when neither the config nor the caller names one: no drafting (plain

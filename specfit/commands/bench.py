@@ -1,7 +1,8 @@
 """``specfit bench`` (and ``specfit demo``): methods side by side on the same prompts.
 
 Each method is a list of overrides (``method_presets``) composed on top of the job's config, per
-workload. Engines are built once per (method, workload); prompts then run interleaved across
+workload. Engines are built once per (method, workload), over one load of the model (its experts
+in one host store that every method's engine reads); prompts then run interleaved across
 methods, ``repeats`` times, so drift of a shared machine spreads evenly over the methods. One JSON
 line per run goes to the results file as soon as the run completes (so an interrupted bench
 keeps every completed run, and ``resume=true`` skips them); the table reports means, with speedups
@@ -24,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from specfit.api import build
+from specfit.api import build, load_shared_target
+from specfit.core.loading import LoadedModel
 from specfit.commands.generate import describe_prompts, prompts_of
 from specfit.config import TAKES_ALL_PROMPTS, compose, num_prompts_unused, override_key
 from specfit.errors import ConfigError
@@ -237,6 +239,16 @@ def _completed(path: Path, configs: dict[str, DictConfig]) -> dict[tuple[str, st
 _JOB_KEYS = ("resume", "methods", "workloads", "repeats", "method_presets", "baseline")
 
 
+def shared_target(cfg: DictConfig, targets: dict[str, LoadedModel]) -> LoadedModel:
+    """The model of ``cfg``, loaded the first time a method asks for it: methods (and workloads)
+    with the same ``model`` settings share one load and one host copy of its experts. Six methods
+    of Qwen3-30B-A3B otherwise held six copies of its 57 GB of experts in host memory."""
+    key = json.dumps(OmegaConf.to_container(cfg.model, resolve=True), sort_keys=True, default=str)
+    if key not in targets:
+        targets[key] = load_shared_target(cfg)
+    return targets[key]
+
+
 def stall_free_line(summary: list[dict[str, Any]]) -> str:
     """What prefetch could give each method run without it: its speed with every copy hidden at no
     host cost (its stall removed), as a multiple of its own speed. On a host whose compute is slow
@@ -343,6 +355,7 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
     rows: list[dict[str, Any]] = []
     summaries: list[dict[str, Any]] = []
     all_runs: dict[str, list[dict[str, Any]]] = {}  # every workload's runs per method, in the same order
+    targets: dict[str, LoadedModel] = {}  # each model loaded once, its experts shared by the methods on it
     finished = 0  # runs of this job on disk (resumed ones included)
     try:
         for workload in workloads:
@@ -352,7 +365,8 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
             prompts = prompts_of(any_cfg)
             about = describe_prompts(any_cfg)
             done = _completed(results, configs) if cfg.resume else {}
-            engines = {m: build(c, check_prompts=prompts) for m, c in configs.items()}
+            engines = {m: build(c, check_prompts=prompts, shared_target=shared_target(c, targets))
+                       for m, c in configs.items()}
             for _ in range(cfg.warmup if prompts else 0):
                 for engine in engines.values():
                     engine.generate(prompts[0])
@@ -405,6 +419,7 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
                 print(line)
             if answers_dir is not None:
                 _write_answers(answers_dir, answers, rows[-total:], engines)
+            engines.clear()  # before the next workload's engines are built beside them
     except KeyboardInterrupt:
         print(f"specfit: interrupted: {finished} completed runs are in {results}; resume with: "
               f"{resume_command(output_dir)}", file=sys.stderr, flush=True)

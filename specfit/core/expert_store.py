@@ -51,6 +51,8 @@ class HostExpertStore:
     def __init__(self, spec: MoESpec, pin: bool = False, *, _allocate: bool = True) -> None:
         self.spec = spec
         self.pinned = False  # every layer allocated in pinned memory (a failure part-way leaves it False)
+        # read by several engines (specfit.core.loading.share_experts): none may drop a layer's host copy
+        self.shared = False
         self._pin = pin
         self._parts = row_parts(spec)
         self._units = ["gate", "up", "down"] + (["gate_up_bias", "down_bias"] if spec.layout.bias else [])
@@ -125,8 +127,10 @@ class HostExpertStore:
         return sum(t.numel() * t.element_size() for t in self.layers if t is not None)
 
     def release(self, layer: int) -> None:
-        """Drop a layer's host copy (its experts live in device slots only from now on)."""
-        self.layers[layer] = None  # type: ignore[call-overload]
+        """Drop a layer's host copy (its experts live in device slots only from now on); a shared store
+        keeps it, since the other engines still copy from it."""
+        if not self.shared:
+            self.layers[layer] = None  # type: ignore[call-overload]
 
     # ------------------------------------------------------------------ from modules
 

@@ -60,6 +60,30 @@ def check_device(device: str) -> None:
         device_arg(device, key="model.device")
 
 
+def share_experts(loaded: LoadedModel, pin: bool) -> LoadedModel:
+    """``loaded`` with its experts in one host store that several engines read (the bench's
+    methods, side by side): each engine gets its own copy of the rest (:func:`engine_copy`), so N
+    methods hold the experts, nearly all of an MoE model's bytes, once and not N times. ``pin``: pin
+    a store built here from the model's modules (the engines copy from it to a GPU)."""
+    from specfit.core.expert_store import HostExpertStore
+    from specfit.core.moe import find_experts, moe_spec
+
+    store = loaded.expert_store
+    if store is None:  # experts still in the model (a built-in or from_pretrained model): moved out once
+        experts = find_experts(loaded.model)
+        store = HostExpertStore.from_modules(experts, moe_spec(loaded.model, experts), pin=pin)
+    store.shared = True  # an engine with every expert in its slots (cache=full) keeps the host copy
+    return LoadedModel(loaded.model, loaded.tokenizer, loaded.source, store)
+
+
+def engine_copy(shared: LoadedModel) -> LoadedModel:
+    """One engine's model over a shared store (:func:`share_experts`): the dense weights copied,
+    since an engine moves, upcasts and hooks its own model; the experts, meta tensors there, are not."""
+    import copy
+
+    return LoadedModel(copy.deepcopy(shared.model), shared.tokenizer, shared.source, shared.expert_store)
+
+
 def load_target(cfg: ModelConfig) -> LoadedModel:
     check_device(cfg.device)
     check_numerics(cfg.numerics)

@@ -1,0 +1,55 @@
+"""Engines over one load of the model (the bench's methods side by side): one host store of the
+experts that every engine reads, each engine with its own dense weights, outputs as if each had
+loaded the model itself."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+import specfit
+from specfit.api import load_shared_target
+from specfit.cli import main
+from specfit.core.offload import OffloadedExperts
+
+PROMPT = [5, 17, 99, 3, 42]
+
+
+def _config(*overrides: str):
+    return specfit.compose(["model=tiny", "cache.copy=torch", *overrides])
+
+
+def _hooks(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_engines_over_a_shared_target_decode_as_their_own_loads() -> None:
+    lru, full = _config("cache=lru", "cache.capacity=2"), _config("cache=full")
+    shared = load_shared_target(lru)
+    store = shared.expert_store
+    engines = [specfit.build(cfg, calibrate_now=False, shared_target=shared) for cfg in (lru, full, lru)]
+    assert all(e.runtime.store is store for e in engines)  # one host copy of the experts
+    assert len({id(e.model) for e in engines}) == 3  # each its own dense weights (moved, hooked, upcast)
+    # a full cache preloads every expert but keeps the store's layers: the other engines copy from them
+    assert store.shared and all(layer is not None for layer in store.layers)
+    alone = specfit.build(lru, calibrate_now=False)  # a load of its own
+    expected = alone.generate(PROMPT, max_new_tokens=10).token_ids
+    for engine in engines:
+        assert engine.generate(PROMPT, max_new_tokens=10).token_ids == expected
+    # the loaded model itself stays as loaded: no engine's experts modules or hooks in it
+    assert not any(isinstance(m, OffloadedExperts) for m in shared.model.modules()) and _hooks(shared.model) == 0
+
+
+def test_bench_loads_each_model_once(tmp_path, capsys, monkeypatch) -> None:
+    import specfit.api
+
+    loads = []
+    real = specfit.api.load_target
+    monkeypatch.setattr(specfit.api, "load_target", lambda cfg: loads.append(cfg.builtin) or real(cfg))
+    main(["bench", "model=tiny", "methods=[ar,ar_prefetch,eagle3]", "prompt_ids=[5,17,99]", "max_new_tokens=4",
+          "drafter.total_tokens=6", "drafter.top_k=3", "repeats=1", f"hydra.run.dir={tmp_path}"])
+    assert "output tokens identical across methods: yes" in capsys.readouterr().out
+    assert loads == ["tiny-qwen3-moe"]  # three methods, one load
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in rows] == ["ar", "ar_prefetch", "eagle3"]
