@@ -242,7 +242,7 @@ _JOB_KEYS = ("resume", "methods", "workloads", "repeats", "method_presets", "bas
 def shared_target(cfg: DictConfig, targets: dict[str, LoadedModel]) -> LoadedModel:
     """The model of ``cfg``, loaded the first time a method asks for it: methods (and workloads)
     with the same ``model`` settings share one load and one host copy of its experts. Six methods
-    of Qwen3-30B-A3B otherwise held six copies of its 57 GB of experts in host memory."""
+    of Qwen3-30B-A3B otherwise held six copies of its 58 GB of bf16 experts in host memory."""
     key = json.dumps(OmegaConf.to_container(cfg.model, resolve=True), sort_keys=True, default=str)
     if key not in targets:
         targets[key] = load_shared_target(cfg)
