@@ -136,6 +136,7 @@ class Eagle3Drafter(DrafterBase):
         optional_integer("drafter.attention_window", attention_window, minimum=0)
         self.path, self.top_k, self.depth, self.total_tokens, self.seed = path, top_k, depth, total_tokens, seed
         self.attention_window = attention_window
+        self.unasked_random_head = False  # a random head stands in for one the user left out (see bind)
         from_dir = path if path and path != "random" else None
         self.head = head if head is not None else (load_head(path) if from_dir else None)
         if isinstance(acceptance_probe, AcceptanceProbe):
@@ -160,11 +161,8 @@ class Eagle3Drafter(DrafterBase):
     def bind(self, target: Any) -> None:
         model = target.model
         if self.head is None:  # no path (specfit.build sets it to model.draft_head when the model has one)
-            if self.path is None:  # not asked for (path=random): a user who left the path out should hear it
-                print("specfit: note: drafter=eagle3 has no head (drafter.path is null and the model has no "
-                      "draft_head), so a random head drafts and few drafts will be accepted; set drafter.path "
-                      "to an EAGLE-3 head directory, or drafter.path=random to choose this", file=sys.stderr)
             self.head = random_head(head_config_for(model), seed=self.seed)
+            self.unasked_random_head = self.path is None  # said when it first drafts (path=random asks for it)
         cfg, tc = self.head.cfg, model.config
         check_head_fits(self.head, tc)  # names the head and the mismatch
         if self.top_k > cfg.draft_vocab_size:  # a beam wider than the vocabulary it ranks
@@ -196,6 +194,11 @@ class Eagle3Drafter(DrafterBase):
     # ------------------------------------------------------------------ sequence state
 
     def start(self, prompt_ids: Sequence[int], features: torch.Tensor | None, next_token: int) -> None:
+        if self.unasked_random_head:  # at the first decode, not at bind: a build that fails says its error alone
+            self.unasked_random_head = False
+            print("specfit: note: drafter=eagle3 has no head (drafter.path is null and the model has no "
+                  "draft_head), so a random head drafts and few drafts will be accepted; set drafter.path "
+                  "to an EAGLE-3 head directory, or drafter.path=random to choose this", file=sys.stderr)
         self.kv = self.head.new_cache(self.dtype, self.device)
         self.pending_features: list[torch.Tensor] = []  # one chunk per commit, joined when drafting starts
         self.pending_tokens: list[int] = []
