@@ -289,3 +289,26 @@ def test_eagle3_without_a_head_says_its_head_is_random(capsys: pytest.CaptureFix
     assert capsys.readouterr().err.count("drafter=eagle3 has no head") == 1
     Engine(tiny_model(), drafter=Eagle3Drafter(path="random"), max_new_tokens=2).generate([1, 2])
     assert "has no head" not in capsys.readouterr().err
+
+
+def test_a_failed_build_hands_the_model_to_the_next_engine() -> None:
+    """An Engine whose plug-in fails to bind has already moved the model's experts into its store:
+    the next Engine over that model takes them from there (a model of billions of parameters need
+    not be loaded again), without the failed build's hooks, and decodes as a fresh model does. A
+    model a working Engine holds is still refused."""
+    from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher
+
+    class FailsAfterHooking(LookaheadPrefetcher):  # the last plug-in bound, after hooking the model
+        def bind(self, target: Any, sink: Any) -> None:
+            super().bind(target, sink)
+            raise RuntimeError("no room")
+
+    model = tiny_model()
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    with pytest.raises(PluginError, match="no room"):
+        Engine(model, prefetcher=FailsAfterHooking(), max_new_tokens=6)
+    engine = Engine(model, max_new_tokens=6)
+    assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == hooks + 1  # its own
+    assert engine.generate([5, 17, 99]).token_ids == Engine(tiny_model(), max_new_tokens=6).generate([5, 17, 99]).token_ids
+    with pytest.raises(ModelError, match="held by another Engine"):
+        Engine(model)

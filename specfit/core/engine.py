@@ -51,6 +51,25 @@ class GenerationOutput:
     finish_reason: str = "length"
 
 
+_FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                  "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def forward_hooks(model: nn.Module) -> dict[nn.Module, dict[str, dict]]:
+    """Every module's forward hooks as they are now (for :func:`restore_forward_hooks`)."""
+    return {m: {name: dict(getattr(m, name)) for name in _FORWARD_HOOKS} for m in model.modules()}
+
+
+def restore_forward_hooks(saved: dict[nn.Module, dict[str, dict]]) -> None:
+    """Put back the hooks :func:`forward_hooks` saw: those the runtime and the plug-ins of a failed
+    build registered go (they would run in the next Engine's passes)."""
+    for module, hooks in saved.items():
+        for name, entries in hooks.items():
+            current = getattr(module, name)
+            current.clear()
+            current.update(entries)
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -106,9 +125,15 @@ class Engine:
         self.copy_engine = copy if not isinstance(copy, str) else make_copy_engine(copy, self.device, link)
         stop_ids = set(token_ids("stop_token_ids", stop_token_ids, model.config.vocab_size))
         self.max_model_len = context_limit(model.config, max_model_len)  # prompt + output never exceed it (None: no limit)
+        hooks = forward_hooks(model)
         self.runtime = OffloadRuntime(model, cache, self.copy_engine, self.device, store=expert_store,
                                       compute=expert_compute)
-        self._bind(model, tokenizer, drafter, selector, cost_model, predictor, prefetcher, numerics)
+        try:
+            self._bind(model, tokenizer, drafter, selector, cost_model, predictor, prefetcher, numerics)
+        except BaseException:  # hand the model on: the next Engine over it takes the experts from this store
+            restore_forward_hooks(hooks)
+            self.runtime.orphaned = True
+            raise
         self.sampling = sampling or SamplingParams()
         self.max_new_tokens = max_new_tokens
         self.stop_token_ids = stop_ids if ignore_eos else stop_ids | _eos_ids(model, tokenizer)

@@ -154,15 +154,19 @@ class OffloadRuntime:
 
     def __init__(self, model: nn.Module, policy: ExpertCache, copy_engine: CopyEngine, device: torch.device | str,
                  store: HostExpertStore | None = None, compute: str = "auto") -> None:
-        if any(isinstance(m, OffloadedExperts) for m in model.modules()):
-            raise ModelError(f"this {type(model).__name__}'s experts are held by another Engine: an Engine moves a "
-                             "model's experts into its own store, also when it then fails to build; load the model "
-                             "again, or reuse that Engine")
-        experts = find_experts(model)
-        spec = moe_spec(model, experts)
+        self.orphaned = False  # the Engine that built this runtime failed: the next one takes over its store
+        previous = _failed_build(model)
+        if previous is not None:  # the experts modules are ours already, their weights in its store
+            experts: list[tuple[str, nn.Module]] = sorted(
+                ((n, m) for n, m in model.named_modules() if isinstance(m, OffloadedExperts)), key=lambda nm: nm[1].layer)
+            spec = previous.spec
+            store = previous.store if store is None else store
+        else:
+            experts = find_experts(model)
+            spec = moe_spec(model, experts)
         self.device = torch.device(device)
         self.compute: ExpertCompute = make_expert_compute(compute, self.device)
-        if store is not None:
+        if store is not None and previous is None:
             spec = _store_spec(spec, store)
         self.spec = spec
         self.policy = policy
@@ -203,7 +207,11 @@ class OffloadRuntime:
         self._said_no_prefetch = False
         self.slots: list[torch.Tensor] = []
         self._views: list[SlotViews] = []
-        self._preload(preload)
+        try:
+            self._preload(preload)
+        except BaseException:  # the modules are swapped: the next Engine takes over the store
+            self.orphaned = True
+            raise
         model.register_forward_pre_hook(lambda *_: self.begin_pass())
 
     @property
@@ -500,6 +508,22 @@ class OffloadRuntime:
         if self.preloads_all and self.store.pinned and hasattr(torch._C, "_host_emptyCache"):
             torch.cuda.synchronize(self.device)  # the copies have read the pinned rows: return them to the system
             torch._C._host_emptyCache()
+
+
+def _failed_build(model: nn.Module) -> OffloadRuntime | None:
+    """The runtime whose Engine failed to build over ``model`` (its experts modules swapped, their
+    weights in its store), which a new runtime takes over; None for a model no Engine holds. A
+    model a working Engine holds, or whose store a failed full-cache build already dropped, is a
+    ModelError."""
+    held = {id(m._runtime): m._runtime for m in model.modules() if isinstance(m, OffloadedExperts)}
+    if not held:
+        return None
+    previous = next(iter(held.values()))
+    if len(held) == 1 and previous.orphaned and all(layer is not None for layer in previous.store.layers):
+        return previous
+    raise ModelError(f"this {type(model).__name__}'s experts are held by another Engine (an Engine moves a model's "
+                     "experts into its own store): reuse that Engine, load the model again, or load it once for "
+                     "several engines with specfit.api.load_shared_target")
 
 
 def _check_copy_order(copy_engine: CopyEngine) -> None:
