@@ -160,14 +160,15 @@ class OffloadRuntime:
             experts: list[tuple[str, nn.Module]] = sorted(
                 ((n, m) for n, m in model.named_modules() if isinstance(m, OffloadedExperts)), key=lambda nm: nm[1].layer)
             spec = previous.spec
-            store = previous.store if store is None else store
         else:
             experts = find_experts(model)
             spec = moe_spec(model, experts)
         self.device = torch.device(device)
         self.compute: ExpertCompute = make_expert_compute(compute, self.device)
-        if store is not None and previous is None:
+        if store is not None:  # a loader's store: it must fit the model
             spec = _store_spec(spec, store)
+        elif previous is not None:
+            store = previous.store
         self.spec = spec
         self.policy = policy
         self.copy_engine = copy_engine
