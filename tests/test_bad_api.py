@@ -271,7 +271,7 @@ def test_engine_notes_a_link_no_copy_engine_reads(capsys: pytest.CaptureFixture[
     from specfit.core.copy_engines import LinkSettings
 
     Engine(tiny_model(), copy="torch", link=LinkSettings(latency_us=1.0))
-    assert "link= sets the emulated link, which only copy='emulated' charges" in capsys.readouterr().err
+    assert "link= sets the emulated link, which only copy='emulated' builds and charges" in capsys.readouterr().err
     Engine(tiny_model(), copy="emulated", link=LinkSettings(latency_us=1.0))
     specfit.build(specfit.compose(["model=tiny", "cache.copy=torch"]))
     assert "link=" not in capsys.readouterr().err
@@ -303,12 +303,32 @@ def test_a_failed_build_hands_the_model_to_the_next_engine() -> None:
             super().bind(target, sink)
             raise RuntimeError("no room")
 
-    model = tiny_model()
+    model = tiny_model().to(torch.bfloat16)
     hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
-    with pytest.raises(PluginError, match="no room"):
-        Engine(model, prefetcher=FailsAfterHooking(), max_new_tokens=6)
-    engine = Engine(model, max_new_tokens=6)
+    with pytest.raises(PluginError, match="no room"):  # numerics=exact upcast the dense weights first
+        Engine(model, prefetcher=FailsAfterHooking(), max_new_tokens=6, numerics="exact")
+    assert {p.dtype for p in model.parameters() if not p.is_meta} == {torch.bfloat16}  # as loaded again
+    engine = Engine(model, max_new_tokens=6, numerics="native")
     assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == hooks + 1  # its own
-    assert engine.generate([5, 17, 99]).token_ids == Engine(tiny_model(), max_new_tokens=6).generate([5, 17, 99]).token_ids
+    assert engine.info["dense_dtype"] == "bfloat16"
+    fresh = Engine(tiny_model().to(torch.bfloat16), max_new_tokens=6, numerics="native")
+    assert engine.generate([5, 17, 99]).token_ids == fresh.generate([5, 17, 99]).token_ids
     with pytest.raises(ModelError, match="held by another Engine"):
+        Engine(model)
+
+
+def test_a_failed_full_cache_build_says_the_model_must_be_loaded_again() -> None:
+    """cache=full drops the host copy once every expert is in a slot: a build that fails after that
+    leaves nothing to take over, and the next Engine says so."""
+    from specfit.plugins.caches.full import FullCache
+    from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher
+
+    class Fails(LookaheadPrefetcher):
+        def bind(self, target: Any, sink: Any) -> None:
+            raise RuntimeError("no room")
+
+    model = tiny_model()
+    with pytest.raises(PluginError, match="no room"):
+        Engine(model, cache=FullCache(), prefetcher=Fails())
+    with pytest.raises(ModelError, match="cache=full drops their host copy"):
         Engine(model)

@@ -70,6 +70,24 @@ def restore_forward_hooks(saved: dict[nn.Module, dict[str, dict]]) -> None:
             current.update(entries)
 
 
+def dense_placement(model: nn.Module) -> dict[tuple[nn.Module, str], tuple[torch.dtype, torch.device]]:
+    """Each parameter's and buffer's dtype and device (for :func:`restore_dense_placement`)."""
+    return {(m, name): (t.dtype, t.device) for m in model.modules()
+            for name, t in [*m._parameters.items(), *m._buffers.items()] if t is not None and not t.is_meta}
+
+
+def restore_dense_placement(model: nn.Module, saved: dict[tuple[nn.Module, str], tuple[torch.dtype, torch.device]]) -> None:
+    """Cast and move back what a failed build's ``numerics`` upcast or moved (exact: half values
+    were upcast, so casting back loses nothing); the replaced experts modules are gone already."""
+    for (module, name), (dtype, device) in saved.items():
+        tensor = module._parameters.get(name, module._buffers.get(name))
+        if tensor is not None and not tensor.is_meta and (tensor.dtype, tensor.device) != (dtype, device):
+            if name in module._parameters:
+                tensor.data = tensor.data.to(device, dtype)
+            else:
+                module._buffers[name] = tensor.to(device, dtype)
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -120,19 +138,21 @@ class Engine:
         self.device = device_arg(device) if device is not None else default_device()
         check_plain_engine_args(self.device, copy, link, tokenizer, ignore_eos)
         if link is not None and copy != "emulated":  # as the config's note says: set for the runs it applies to
-            print(f"specfit: note: link= sets the emulated link, which only copy='emulated' charges; "
-                  f"copy={copy if isinstance(copy, str) else type(copy).__name__!r} does not read it", file=sys.stderr)
+            given = repr(copy) if isinstance(copy, str) else f"{type(copy).__name__}(...) (an engine built already)"
+            print(f"specfit: note: link= sets the emulated link, which only copy='emulated' builds and charges; "
+                  f"copy={given} does not read it", file=sys.stderr)
         self.copy_engine = copy if not isinstance(copy, str) else make_copy_engine(copy, self.device, link)
         stop_ids = set(token_ids("stop_token_ids", stop_token_ids, model.config.vocab_size))
         self.max_model_len = context_limit(model.config, max_model_len)  # prompt + output never exceed it (None: no limit)
-        hooks = forward_hooks(model)
+        hooks, tensors = forward_hooks(model), dense_placement(model)
         self.runtime = OffloadRuntime(model, cache, self.copy_engine, self.device, store=expert_store,
                                       compute=expert_compute)
         try:
             self._bind(model, tokenizer, drafter, selector, cost_model, predictor, prefetcher, numerics)
         except BaseException:  # hand the model on: the next Engine over it takes the experts from this store
             restore_forward_hooks(hooks)
-            self.runtime.orphaned = True
+            restore_dense_placement(model, tensors)  # as loaded: numerics and device are the next Engine's
+            self.runtime.orphan()
             raise
         self.sampling = sampling or SamplingParams()
         self.max_new_tokens = max_new_tokens

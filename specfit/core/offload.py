@@ -211,9 +211,15 @@ class OffloadRuntime:
         try:
             self._preload(preload)
         except BaseException:  # the modules are swapped: the next Engine takes over the store
-            self.orphaned = True
+            self.orphan()
             raise
         model.register_forward_pre_hook(lambda *_: self.begin_pass())
+
+    def orphan(self) -> None:
+        """Its Engine failed to build: the next runtime over the model takes over the store; the
+        device slots are freed now, before that runtime allocates its own."""
+        self.orphaned = True
+        self.slots, self._views = [], []
 
     @property
     def stores(self) -> list[torch.Tensor]:
@@ -491,8 +497,8 @@ class OffloadRuntime:
         for layer in range(spec.num_layers):
             loads = preload.get(layer, [])
             host = self.store.layers[layer]
-            if (self.preloads_all and self.device.type == "cpu" and host.device == self.device
-                    and all(e == s for e, s in loads)):
+            if (self.preloads_all and self.device.type == "cpu" and host.device == self.device and not self.store.shared
+                    and all(e == s for e, s in loads)):  # a shared store is other engines' too: never a slot pool
                 slots = host  # the store's tensor becomes the slot pool
             else:
                 slots = torch.empty(self.slots_per_layer, spec.expert_numel, dtype=spec.dtype, device=self.device)
@@ -520,7 +526,10 @@ def _failed_build(model: nn.Module) -> OffloadRuntime | None:
     if not held:
         return None
     previous = next(iter(held.values()))
-    if len(held) == 1 and previous.orphaned and all(layer is not None for layer in previous.store.layers):
+    if len(held) == 1 and previous.orphaned:
+        if any(layer is None for layer in previous.store.layers):
+            raise ModelError(f"this {type(model).__name__}'s experts were in the device slots of an Engine that failed "
+                             "to build (cache=full drops their host copy): load the model again")
         return previous
     raise ModelError(f"this {type(model).__name__}'s experts are held by another Engine (an Engine moves a model's "
                      "experts into its own store): reuse that Engine, load the model again, or load it once for "
