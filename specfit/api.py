@@ -62,7 +62,11 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
     prefetcher = plugins["prefetch"].create(prefetch_cfg) if prefetch_cfg is not None else None
     if prefetcher is not None and prefetcher.name == "none":
         prefetcher = None
-    loaded = engine_copy(shared_target) if shared_target is not None else load_target(OmegaConf.to_object(cfg.model))
+    if shared_target is not None:
+        _check_shared_target(cfg, shared_target)
+        loaded = engine_copy(shared_target)
+    else:
+        loaded = load_target(OmegaConf.to_object(cfg.model))
     if loaded.tokenizer is None:
         _check_prompts_are_ids(cfg)
     cache_cfg = cfg.cache
@@ -103,7 +107,23 @@ def load_shared_target(cfg: DictConfig) -> LoadedModel:
     shared_target=)``): its experts in one host store, pinned when the engines run on a GPU."""
     model_cfg = OmegaConf.to_object(cfg.model)
     device = default_device() if model_cfg.device == "auto" else device_arg(model_cfg.device, "model.device")
-    return share_experts(load_target(model_cfg), pin=device.type == "cuda")
+    return share_experts(load_target(model_cfg), pin=device.type == "cuda", settings=_model_settings(cfg))
+
+
+def _model_settings(cfg: DictConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg.model, resolve=True)  # type: ignore[return-value]
+
+
+def _check_shared_target(cfg: DictConfig, shared: LoadedModel) -> None:
+    """A shared target serves configs with the `model` settings it was loaded with, and no other."""
+    if not isinstance(shared, LoadedModel) or shared.settings is None:
+        raise ConfigError(f"shared_target={shared!r:.60} must come from specfit.api.load_shared_target")
+    settings = _model_settings(cfg)
+    differ = sorted(k for k in set(settings) | set(shared.settings) if settings.get(k) != shared.settings.get(k))
+    if differ:
+        key = differ[0]
+        raise ConfigError(f"shared_target was loaded with model.{key}={shared.settings.get(key)!r}, this config has "
+                          f"model.{key}={settings.get(key)!r}: load one for these settings")
 
 
 # The plug-ins an engine gets when neither the config nor the caller names one: no drafting (plain

@@ -239,6 +239,17 @@ def _completed(path: Path, configs: dict[str, DictConfig]) -> dict[tuple[str, st
 _JOB_KEYS = ("resume", "methods", "workloads", "repeats", "method_presets", "baseline")
 
 
+def release_memory() -> None:
+    """Collect the engines just dropped (device slots, dense copies) and return the GPU's cached blocks."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def shared_target(cfg: DictConfig, targets: dict[str, LoadedModel]) -> LoadedModel:
     """The model of ``cfg``, loaded the first time a method asks for it: methods (and workloads)
     with the same ``model`` settings share one load and one host copy of its experts. Six methods
@@ -419,7 +430,9 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
                 print(line)
             if answers_dir is not None:
                 _write_answers(answers_dir, answers, rows[-total:], engines)
-            engines.clear()  # before the next workload's engines are built beside them
+            engines.clear()  # freed before the next workload's engines are built beside them
+            engine = out = None  # the loop's last (a runtime is in a reference cycle: collected below)
+            release_memory()
     except KeyboardInterrupt:
         print(f"specfit: interrupted: {finished} completed runs are in {results}; resume with: "
               f"{resume_command(output_dir)}", file=sys.stderr, flush=True)

@@ -41,6 +41,8 @@ class LoadedModel:
     source: str
     # a streamed checkpoint's experts (the model's experts modules then hold meta tensors); None: in the model
     expert_store: HostExpertStore | None = None
+    # the `model` settings it was loaded with, where engines of several configs share it (share_experts)
+    settings: dict[str, Any] | None = None
 
 
 def resolve_dtype(name: str) -> torch.dtype | str:
@@ -60,11 +62,12 @@ def check_device(device: str) -> None:
         device_arg(device, key="model.device")
 
 
-def share_experts(loaded: LoadedModel, pin: bool) -> LoadedModel:
+def share_experts(loaded: LoadedModel, pin: bool, settings: dict[str, Any]) -> LoadedModel:
     """``loaded`` with its experts in one host store that several engines read (the bench's
     methods, side by side): each engine gets its own copy of the rest (:func:`engine_copy`), so N
     methods hold the experts, nearly all of an MoE model's bytes, once and not N times. ``pin``: pin
-    a store built here from the model's modules (the engines copy from it to a GPU)."""
+    a store built here from the model's modules (the engines copy from it to a GPU). The dense
+    weights it keeps to copy from wait in host memory: each engine moves its own copy to its device."""
     from specfit.core.expert_store import HostExpertStore
     from specfit.core.moe import find_experts, moe_spec
 
@@ -73,7 +76,14 @@ def share_experts(loaded: LoadedModel, pin: bool) -> LoadedModel:
         experts = find_experts(loaded.model)
         store = HostExpertStore.from_modules(experts, moe_spec(loaded.model, experts), pin=pin)
     store.shared = True  # an engine with every expert in its slots (cache=full) keeps the host copy
-    return LoadedModel(loaded.model, loaded.tokenizer, loaded.source, store)
+    for module in loaded.model.modules():  # a streamed checkpoint's dense weights were loaded to the device
+        for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+            if tensor is not None and not tensor.is_meta and tensor.device.type != "cpu":
+                if name in module._parameters:
+                    tensor.data = tensor.data.cpu()
+                else:
+                    module._buffers[name] = tensor.cpu()
+    return LoadedModel(loaded.model, loaded.tokenizer, loaded.source, store, settings)
 
 
 def engine_copy(shared: LoadedModel) -> LoadedModel:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 import specfit
 from specfit.api import load_shared_target
 from specfit.cli import main
 from specfit.core.offload import OffloadedExperts
+from specfit.errors import ConfigError
 
 PROMPT = [5, 17, 99, 3, 42]
 
@@ -31,8 +33,10 @@ def test_engines_over_a_shared_target_decode_as_their_own_loads() -> None:
     engines = [specfit.build(cfg, calibrate_now=False, shared_target=shared) for cfg in (lru, full, lru)]
     assert all(e.runtime.store is store for e in engines)  # one host copy of the experts
     assert len({id(e.model) for e in engines}) == 3  # each its own dense weights (moved, hooked, upcast)
-    # a full cache preloads every expert but keeps the store's layers: the other engines copy from them
+    # a full cache preloads every expert but keeps the store's layers (the other engines copy from
+    # them), and its slots are its own (a slot pool written by a faulty cache must not be the store)
     assert store.shared and all(layer is not None for layer in store.layers)
+    assert all(slots.data_ptr() != layer.data_ptr() for slots, layer in zip(engines[1].runtime.slots, store.layers))
     alone = specfit.build(lru, calibrate_now=False)  # a load of its own
     expected = alone.generate(PROMPT, max_new_tokens=10).token_ids
     for engine in engines:
@@ -53,3 +57,9 @@ def test_bench_loads_each_model_once(tmp_path, capsys, monkeypatch) -> None:
     assert loads == ["tiny-qwen3-moe"]  # three methods, one load
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["method"] for r in rows] == ["ar", "ar_prefetch", "eagle3"]
+
+
+def test_a_shared_target_serves_only_its_model_settings() -> None:
+    shared = load_shared_target(_config())
+    with pytest.raises(ConfigError, match="shared_target was loaded with model.seed=0, this config has model.seed=3"):
+        specfit.build(_config("model.seed=3"), calibrate_now=False, shared_target=shared)
