@@ -63,3 +63,20 @@ def test_a_shared_target_serves_only_its_model_settings() -> None:
     shared = load_shared_target(_config())
     with pytest.raises(ConfigError, match="shared_target was loaded with model.seed=0, this config has model.seed=3"):
         specfit.build(_config("model.seed=3"), calibrate_now=False, shared_target=shared)
+
+
+def test_a_streamed_checkpoint_shared_by_engines(tmp_path) -> None:
+    """A checkpoint streamed from safetensors (how real models load: the experts straight into the
+    loader's store) serves several engines through that store, each decoding as its own load does."""
+    from conftest import tiny_model
+
+    tiny_model().save_pretrained(tmp_path / "m")
+    lru = specfit.compose([f"model.path={tmp_path / 'm'}", "model.builtin=null", "cache=lru", "cache.capacity=2",
+                           "cache.copy=torch"])
+    shared = load_shared_target(lru)
+    assert shared.expert_store is not None and shared.expert_store.shared
+    expected = specfit.build(lru, calibrate_now=False).generate(PROMPT, max_new_tokens=8).token_ids
+    for _ in range(2):
+        engine = specfit.build(lru, calibrate_now=False, shared_target=shared)
+        assert engine.runtime.store is shared.expert_store
+        assert engine.generate(PROMPT, max_new_tokens=8).token_ids == expected
