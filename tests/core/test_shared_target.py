@@ -80,3 +80,30 @@ def test_a_streamed_checkpoint_shared_by_engines(tmp_path) -> None:
         engine = specfit.build(lru, calibrate_now=False, shared_target=shared)
         assert engine.runtime.store is shared.expert_store
         assert engine.generate(PROMPT, max_new_tokens=8).token_ids == expected
+
+
+def test_bench_shares_one_load_across_workloads(tmp_path, capsys, monkeypatch) -> None:
+    """Two workloads, two methods: one load of the demo model; each workload's engines are dropped
+    before the next workload's are built."""
+    import gc
+
+    import specfit.api
+    from specfit.core.engine import Engine
+
+    loads, alive = [], []
+    real = specfit.api.load_target
+    monkeypatch.setattr(specfit.api, "load_target", lambda cfg: loads.append(cfg.path) or real(cfg))
+    built = Engine.__init__
+
+    def counting(self, *a, **k):  # engines alive as each is built
+        gc.collect()
+        alive.append(sum(type(o) is Engine for o in gc.get_objects()))
+        built(self, *a, **k)
+
+    monkeypatch.setattr(Engine, "__init__", counting)
+    main(["bench", "model=demo", "workloads=[prose,gsm]", "methods=[ar,ar_prefetch]", "workload.num_prompts=1",
+          "max_new_tokens=2", "repeats=1", "cache.capacity=8", f"hydra.run.dir={tmp_path}"])
+    assert "all workloads together" in capsys.readouterr().out
+    assert len(loads) == 1
+    # counted as each is built, itself included: the first workload's two are gone when the second's are built
+    assert alive == [1, 2, 1, 2]
