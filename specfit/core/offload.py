@@ -246,6 +246,10 @@ class OffloadRuntime:
         FIFO link (it cannot delay them) and travels while this layer computes."""
         self._listeners.append(fn)
 
+    def routed(self, layer: int) -> torch.Tensor | None:
+        """int64 [tokens, top_k] on the host: the experts ``layer`` routed to in this pass (None before it ran)."""
+        return self._routing[layer]
+
     def routing(self) -> np.ndarray:
         """Experts routed in the last pass: int [tokens, layers, top_k]."""
         if any(r is None for r in self._routing):

@@ -22,9 +22,10 @@ class AutoPrefetcherConfig(PrefetcherConfig):
     min_benefit: float = 0.2  # draft's: skip experts used with a lower probability
     max_per_layer: int | None = None  # draft's cap per layer and level
     gate: bool = True  # lookahead's: pause it while the stall it removes does not pay for its host time
+    token_table: int = 2  # lookahead's: the first layers that may take their picks from a per-token table
 
     def __post_init__(self) -> None:
-        check_lookahead_settings(self.source, self.per_layer, self.picks, self.keep)
+        check_lookahead_settings(self.source, self.per_layer, self.picks, self.keep, self.token_table)
         check_draft_settings(self.min_benefit, self.max_per_layer)
 
 
@@ -36,8 +37,9 @@ class AutoPrefetcher(PrefetcherBase):
 
     def __init__(self, source: str = "fitted", per_layer: int | None = None, min_benefit: float = 0.2,
                  max_per_layer: int | None = None, picks: int | None = None, keep: int | None = None,
-                 gate: bool = True) -> None:
-        self.lookahead = LookaheadPrefetcher(source=source, per_layer=per_layer, picks=picks, keep=keep, gate=gate)
+                 gate: bool = True, token_table: int = 2) -> None:
+        self.lookahead = LookaheadPrefetcher(source=source, per_layer=per_layer, picks=picks, keep=keep, gate=gate,
+                                             token_table=token_table)
         self.draft = DraftPrefetcher(min_benefit=min_benefit, max_per_layer=max_per_layer)
 
     def bind(self, target: Any, sink: Any) -> None:
