@@ -210,5 +210,5 @@ def test_a_single_moe_layer_falls_back_to_own():
     engine = Engine(tiny_model(num_hidden_layers=1), cache=LRUCache(capacity=2), prefetcher=prefetcher, device="cpu",
                     selector=NoDraftSelector())
     assert engine.generate(prompt, max_new_tokens=8).token_ids == expected
-    # the gate's pass start, the layer's pre-hook and the early one
-    assert not hasattr(prefetcher, "fitted") and len(prefetcher.handles) == 3
+    # the gate's pass start, the token table's ids, the layer's pre-hook and the early one
+    assert not hasattr(prefetcher, "fitted") and len(prefetcher.handles) == 4
