@@ -107,10 +107,11 @@ def load_shared_target(cfg: DictConfig) -> LoadedModel:
     shared_target=)``): its experts in one host store, pinned when the engines run on a GPU."""
     model_cfg = OmegaConf.to_object(cfg.model)
     device = default_device() if model_cfg.device == "auto" else device_arg(model_cfg.device, "model.device")
-    return share_experts(load_target(model_cfg), pin=device.type == "cuda", settings=_model_settings(cfg))
+    return share_experts(load_target(model_cfg), pin=device.type == "cuda", settings=model_settings(cfg))
 
 
-def _model_settings(cfg: DictConfig) -> dict[str, Any]:
+def model_settings(cfg: DictConfig) -> dict[str, Any]:
+    """A config's `model` settings, plain (what a shared target is loaded for)."""
     return OmegaConf.to_container(cfg.model, resolve=True)  # type: ignore[return-value]
 
 
@@ -118,7 +119,7 @@ def _check_shared_target(cfg: DictConfig, shared: LoadedModel) -> None:
     """A shared target serves configs with the `model` settings it was loaded with, and no other."""
     if not isinstance(shared, LoadedModel) or shared.settings is None:
         raise ConfigError(f"shared_target={shared!r:.60} must come from specfit.api.load_shared_target")
-    settings = _model_settings(cfg)
+    settings = model_settings(cfg)
     differ = sorted(k for k in set(settings) | set(shared.settings) if settings.get(k) != shared.settings.get(k))
     if differ:
         key = differ[0]

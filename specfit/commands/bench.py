@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from specfit.api import build, load_shared_target
+from specfit.api import build, load_shared_target, model_settings
 from specfit.core.loading import LoadedModel
 from specfit.commands.generate import describe_prompts, prompts_of
 from specfit.config import TAKES_ALL_PROMPTS, compose, num_prompts_unused, override_key
@@ -254,7 +254,7 @@ def shared_target(cfg: DictConfig, targets: dict[str, LoadedModel]) -> LoadedMod
     """The model of ``cfg``, loaded the first time a method asks for it: methods (and workloads)
     with the same ``model`` settings share one load and one host copy of its experts. Six methods
     of Qwen3-30B-A3B otherwise held six copies of its 58 GB of bf16 experts in host memory."""
-    key = json.dumps(OmegaConf.to_container(cfg.model, resolve=True), sort_keys=True, default=str)
+    key = json.dumps(model_settings(cfg), sort_keys=True, default=str)
     if key not in targets:
         targets[key] = load_shared_target(cfg)
     return targets[key]

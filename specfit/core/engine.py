@@ -25,7 +25,7 @@ from specfit.core.context import TokenContext
 from specfit.core.copy_engines import CopyEngine, LinkSettings, make_copy_engine, waits_measured
 from specfit.core.cycle import Cycle, CycleObserver, CycleTimes, Verdict, check_parts, target_prob
 from specfit.core.expert_store import HostExpertStore
-from specfit.core.numerics import apply_numerics, check_numerics, numerics_info
+from specfit.core.numerics import apply_numerics, check_numerics, map_dense_tensors, numerics_info
 from specfit.core.offload import OffloadRuntime
 from specfit.core.sampling import Sampler, SamplingParams
 from specfit.core.setup_state import decode_ended
@@ -72,20 +72,23 @@ def restore_forward_hooks(saved: dict[nn.Module, dict[str, dict]]) -> None:
 
 def dense_placement(model: nn.Module) -> dict[tuple[nn.Module, str], tuple[torch.dtype, torch.device]]:
     """Each parameter's and buffer's dtype and device (for :func:`restore_dense_placement`)."""
-    return {(m, name): (t.dtype, t.device) for m in model.modules()
-            for name, t in [*m._parameters.items(), *m._buffers.items()] if t is not None and not t.is_meta}
+    saved: dict[tuple[nn.Module, str], tuple[torch.dtype, torch.device]] = {}
+
+    def note(module: nn.Module, name: str, t: torch.Tensor) -> None:
+        saved[module, name] = (t.dtype, t.device)
+
+    map_dense_tensors(model, note)
+    return saved
 
 
 def restore_dense_placement(model: nn.Module, saved: dict[tuple[nn.Module, str], tuple[torch.dtype, torch.device]]) -> None:
     """Cast and move back what a failed build's ``numerics`` upcast or moved (exact: half values
     were upcast, so casting back loses nothing); the replaced experts modules are gone already."""
-    for (module, name), (dtype, device) in saved.items():
-        tensor = module._parameters.get(name, module._buffers.get(name))
-        if tensor is not None and not tensor.is_meta and (tensor.dtype, tensor.device) != (dtype, device):
-            if name in module._parameters:
-                tensor.data = tensor.data.to(device, dtype)
-            else:
-                module._buffers[name] = tensor.to(device, dtype)
+    def back(module: nn.Module, name: str, t: torch.Tensor) -> torch.Tensor | None:
+        dtype, device = saved.get((module, name), (t.dtype, t.device))
+        return t.to(device, dtype) if (t.dtype, t.device) != (dtype, device) else None
+
+    map_dense_tensors(model, back)
 
 
 def default_device() -> torch.device:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from specfit.config import ModelConfig
-from specfit.core.numerics import check_numerics, dense_dtype
+from specfit.core.numerics import check_numerics, dense_dtype, map_dense_tensors
 from specfit.errors import ModelError
 from specfit.files import missing_directory, read_json_object
 from specfit.validation import device_arg
@@ -76,13 +76,8 @@ def share_experts(loaded: LoadedModel, pin: bool, settings: dict[str, Any]) -> L
         experts = find_experts(loaded.model)
         store = HostExpertStore.from_modules(experts, moe_spec(loaded.model, experts), pin=pin)
     store.shared = True  # an engine with every expert in its slots (cache=full) keeps the host copy
-    for module in loaded.model.modules():  # a streamed checkpoint's dense weights were loaded to the device
-        for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
-            if tensor is not None and not tensor.is_meta and tensor.device.type != "cpu":
-                if name in module._parameters:
-                    tensor.data = tensor.data.cpu()
-                else:
-                    module._buffers[name] = tensor.cpu()
+    # a streamed checkpoint's dense weights were loaded to the device
+    map_dense_tensors(loaded.model, lambda _module, _name, t: t.cpu() if t.device.type != "cpu" else None)
     return LoadedModel(loaded.model, loaded.tokenizer, loaded.source, store, settings)
 
 

@@ -11,7 +11,7 @@ targets both are the same.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -41,15 +41,24 @@ def apply_numerics(model: nn.Module, numerics: str) -> None:
     Called once the runtime has taken the experts out of the model, so only dense weights remain;
     a tied embedding stays tied (one parameter, cast once)."""
     check_numerics(numerics)
-    if numerics != "exact":
-        return
+    if numerics == "exact":
+        map_dense_tensors(model, lambda _module, _name, t: t.float() if t.dtype in HALF else None)
+
+
+def map_dense_tensors(model: nn.Module, fn: Callable[[nn.Module, str, torch.Tensor], torch.Tensor | None]) -> None:
+    """``fn(module, name, tensor)`` for every parameter and buffer that holds data (not meta); a
+    tensor it returns replaces that one's data (a parameter stays the same object, so ties hold)."""
     for module in model.modules():
-        for param in module.parameters(recurse=False):
-            if param.dtype in HALF:
-                param.data = param.data.float()
-        for name, buf in list(module.named_buffers(recurse=False)):
-            if buf.dtype in HALF:
-                module._buffers[name] = buf.float()
+        for name, param in module._parameters.items():
+            if param is not None and not param.is_meta:
+                new = fn(module, name, param)
+                if new is not None:
+                    param.data = new
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and not buf.is_meta:
+                new = fn(module, name, buf)
+                if new is not None:
+                    module._buffers[name] = new
 
 
 def numerics_info(numerics: str, spec: MoESpec, model: nn.Module) -> dict[str, str]:
