@@ -210,10 +210,12 @@ class LookaheadPrefetcher(PrefetcherBase):
 
     def _table_learns(self, layer: int, _hidden: torch.Tensor) -> None:
         """The runtime's layer listener: the experts ``layer`` chose score the picks made for it (a
-        one-token pass) and go into the token table."""
+        one-token pass) and go into the token table (host time the gate weighs, as the hooks')."""
+        if self.active and self._ids is not None and layer < self.table.layers:
+            self._timed("lookahead (table)", self._learn_table, layer)
+
+    def _learn_table(self, layer: int) -> None:
         table, ids = self.table, self._ids
-        if not self.active or ids is None or layer >= table.layers:
-            return
         routed = self._runtime.routed(layer)
         if routed is None or routed.shape[0] != len(ids):
             return
