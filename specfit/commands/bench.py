@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -339,6 +340,84 @@ def _check_workloads(cfg: DictConfig, overrides: list[str]) -> None:
                               f"kind {own}; drop workload.kind (each workload of the list has its own kind)")
 
 
+@dataclass
+class _Job:
+    """What every workload of one bench job shares: its settings, files, loaded models and count."""
+
+    cfg: DictConfig
+    overrides: list[str]
+    results: Path
+    answers_dir: Path | None
+    answers: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # Spec-Bench lines per method
+    targets: dict[str, LoadedModel] = field(default_factory=dict)  # each model loaded once, experts shared
+    finished: int = 0  # runs of this job on disk (resumed ones included)
+
+
+def _run_workload(job: _Job, workload: str | None) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]],
+                                                            list[dict[str, Any]]]:
+    """Every method on one workload's prompts, interleaved; prints its table. Returns the rows, each
+    method's stats and the summary. Its engines live only here, so they are freed when it returns."""
+    cfg, results = job.cfg, job.results
+    configs = {m: without_unused_cost_model(method_config(cfg, m, workload, job.overrides)) for m in cfg.methods}
+    any_cfg = next(iter(configs.values()))
+    prompts = prompts_of(any_cfg)
+    about = describe_prompts(any_cfg)
+    done = _completed(results, configs) if cfg.resume else {}
+    engines = {m: build(c, check_prompts=prompts, shared_target=shared_target(c, job.targets))
+               for m, c in configs.items()}
+    for _ in range(cfg.warmup if prompts else 0):
+        for engine in engines.values():
+            engine.generate(prompts[0])
+    rows: list[dict[str, Any]] = []
+    per_method: dict[str, list[dict[str, Any]]] = {m: [] for m in engines}
+    outputs: dict[int, dict[str, list[int]]] = {}
+    total = cfg.repeats * len(prompts) * len(engines)
+    skipped = sum((about["workload"], m, i, r) in done for r in range(cfg.repeats)
+                  for i in range(len(prompts)) for m in engines)
+    job.finished += skipped
+    if cfg.resume:
+        print(f"resume: {skipped} of {total} runs of workload {about['workload']} are already in {results} "
+              f"(same config); running the other {total - skipped}", file=sys.stderr)
+    with _progress(total, skipped) as bar:
+        for repeat in range(cfg.repeats):
+            for i, prompt in enumerate(prompts):
+                for method, engine in engines.items():
+                    row = done.get((about["workload"], method, i, repeat))
+                    if row is None:
+                        out = engine.generate(prompt)
+                        stats = out.stats
+                        row = {"command": "bench", "method": method, **about, "prompt_index": i,
+                               "repeat": repeat, **stats, "output_ids": out.token_ids,
+                               "accept_lengths": [c.committed for c in out.cycles],
+                               "config": run_config(configs[method])}
+                        append_jsonl(results, [row])
+                        job.finished += 1
+                        bar.update()
+                    else:
+                        stats = {k: v for k, v in row.items() if k not in _ROW_KEYS}
+                    per_method[method].append(stats)
+                    if "output_ids" in row:
+                        outputs.setdefault(i, {})[method] = row["output_ids"]
+                    rows.append(row)
+    identical = all(len({tuple(v) for v in o.values()}) == 1 for o in outputs.values())
+    base = _baseline(cfg, per_method)
+    summary = [{"method": m, **about, **mean_stats(s), **paired_fields(s, per_method[base]),
+                "outputs_identical": identical} for m, s in per_method.items()]
+    print(f"\nworkload {about['workload']} ({about['workload_split']}): {len(prompts)} prompts x "
+          f"{cfg.repeats} repeats, {cfg.max_new_tokens} new tokens, "
+          f"{'greedy' if cfg.sampling.temperature == 0 else f'sampling T={cfg.sampling.temperature}'}")
+    print(comparison_table(summary, baseline=cfg.baseline))
+    print(f"output tokens identical across methods: {'yes' if identical else 'NO'}")
+    if any(r.get("prefetch_issued") for r in summary):
+        print("prefetch: pf prec = prefetched experts used / prefetched; pf recall = prefetched experts "
+              "used / (those + misses); stall ms/tok = time compute waited on copies per output token")
+    for line in prefetch_notes(summary):  # could prefetch help? where was it paused?
+        print(line)
+    if job.answers_dir is not None:
+        _write_answers(job.answers_dir, job.answers, rows, engines)
+    return rows, per_method, summary
+
+
 def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[str, Any]]:
     """Run every method on every prompt; each row is on disk as soon as its run completes.
 
@@ -361,80 +440,21 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
     results = check_results_file(output_dir / cfg.results_file)
     answers_dir = None if cfg.answers_dir is None else check_writable(output_dir / cfg.answers_dir, "answers_dir",
                                                                        directory=True)
-    answers: dict[str, list[dict[str, Any]]] = {}  # Spec-Bench answer lines per method, all workloads
     workloads = list(cfg.workloads) or [None]
     rows: list[dict[str, Any]] = []
     summaries: list[dict[str, Any]] = []
     all_runs: dict[str, list[dict[str, Any]]] = {}  # every workload's runs per method, in the same order
-    targets: dict[str, LoadedModel] = {}  # each model loaded once, its experts shared by the methods on it
-    finished = 0  # runs of this job on disk (resumed ones included)
+    job = _Job(cfg, overrides, results, answers_dir)
     try:
         for workload in workloads:
-            configs = {m: without_unused_cost_model(method_config(cfg, m, workload, overrides))
-                       for m in cfg.methods}
-            any_cfg = next(iter(configs.values()))
-            prompts = prompts_of(any_cfg)
-            about = describe_prompts(any_cfg)
-            done = _completed(results, configs) if cfg.resume else {}
-            engines = {m: build(c, check_prompts=prompts, shared_target=shared_target(c, targets))
-                       for m, c in configs.items()}
-            for _ in range(cfg.warmup if prompts else 0):
-                for engine in engines.values():
-                    engine.generate(prompts[0])
-            per_method: dict[str, list[dict[str, Any]]] = {m: [] for m in engines}
-            outputs: dict[int, dict[str, list[int]]] = {}
-            total = cfg.repeats * len(prompts) * len(engines)
-            skipped = sum((about["workload"], m, i, r) in done for r in range(cfg.repeats)
-                          for i in range(len(prompts)) for m in engines)
-            finished += skipped
-            if cfg.resume:
-                print(f"resume: {skipped} of {total} runs of workload {about['workload']} are already in {results} "
-                      f"(same config); running the other {total - skipped}", file=sys.stderr)
-            with _progress(total, skipped) as bar:
-                for repeat in range(cfg.repeats):
-                    for i, prompt in enumerate(prompts):
-                        for method, engine in engines.items():
-                            row = done.get((about["workload"], method, i, repeat))
-                            if row is None:
-                                out = engine.generate(prompt)
-                                stats = out.stats
-                                row = {"command": "bench", "method": method, **about, "prompt_index": i,
-                                       "repeat": repeat, **stats, "output_ids": out.token_ids,
-                                       "accept_lengths": [c.committed for c in out.cycles],
-                                       "config": run_config(configs[method])}
-                                append_jsonl(results, [row])
-                                finished += 1
-                                bar.update()
-                            else:
-                                stats = {k: v for k, v in row.items() if k not in _ROW_KEYS}
-                            per_method[method].append(stats)
-                            if "output_ids" in row:
-                                outputs.setdefault(i, {})[method] = row["output_ids"]
-                            rows.append(row)
-            identical = all(len({tuple(v) for v in o.values()}) == 1 for o in outputs.values())
-            base = _baseline(cfg, per_method)
-            summary = [{"method": m, **about, **mean_stats(s), **paired_fields(s, per_method[base]),
-                        "outputs_identical": identical} for m, s in per_method.items()]
+            workload_rows, per_method, summary = _run_workload(job, workload)
+            rows += workload_rows
+            summaries += summary
             for m, s in per_method.items():
                 all_runs.setdefault(m, []).extend(s)
-            summaries += summary
-            print(f"\nworkload {about['workload']} ({about['workload_split']}): {len(prompts)} prompts x "
-                  f"{cfg.repeats} repeats, {cfg.max_new_tokens} new tokens, "
-                  f"{'greedy' if cfg.sampling.temperature == 0 else f'sampling T={cfg.sampling.temperature}'}")
-            print(comparison_table(summary, baseline=cfg.baseline))
-            print(f"output tokens identical across methods: {'yes' if identical else 'NO'}")
-            if any(r.get("prefetch_issued") for r in summary):
-                print("prefetch: pf prec = prefetched experts used / prefetched; pf recall = prefetched experts "
-                      "used / (those + misses); stall ms/tok = time compute waited on copies per output token")
-            for line in prefetch_notes(summary):  # could prefetch help? where was it paused?
-                print(line)
-            if answers_dir is not None:
-                _write_answers(answers_dir, answers, rows[-total:], engines)
-            engines.clear()  # freed before the next workload's engines are built beside them
-            engine = out = None  # the loop's last (a runtime is in a reference cycle: collected below)
-            release_memory()
+            release_memory()  # the workload's engines are gone: free them before the next are built
     except KeyboardInterrupt:
-        print(f"specfit: interrupted: {finished} completed runs are in {results}; resume with: "
+        print(f"specfit: interrupted: {job.finished} completed runs are in {results}; resume with: "
               f"{resume_command(output_dir)}", file=sys.stderr, flush=True)
         raise
     if len(workloads) > 1 and all_runs:
