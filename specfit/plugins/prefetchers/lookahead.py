@@ -225,18 +225,18 @@ class LookaheadPrefetcher(PrefetcherBase):
             table.judge(layer, routed[0].tolist(), *picks)
         table.learn(layer, ids, routed)
 
-    def _table_or(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
-        """The token table's counts instead of the router's ``scores`` where every token of the pass
-        has been seen and the table has recalled ``layer``'s picks better lately; a one-token pass
-        keeps both top-k, scored when the layer routes (:meth:`_table_learns`)."""
+    def _table_or(self, layer: int, ranked: torch.Tensor) -> torch.Tensor:
+        """The token table's ranking instead of the router's ``ranked`` [tokens, n] where every token
+        of the pass has been seen and the table has recalled ``layer``'s picks better lately; a
+        one-token pass keeps both top-k, scored when the layer routes (:meth:`_table_learns`)."""
         ids = self._ids
-        counted = self.table.scores(layer, ids) if ids is not None and len(ids) == scores.shape[0] else None
+        counted = self.table.scores(layer, ids) if ids is not None and len(ids) == ranked.shape[0] else None
         if counted is None:
-            return scores
+            return ranked
+        by_table = torch.topk(counted, ranked.shape[1], dim=-1).indices
         if len(ids) == 1:
-            self._judged[layer] = (torch.topk(counted[0], self.k).indices.tolist(),
-                                   torch.topk(scores[0], self.k).indices.tolist())
-        return counted if self.table.preferred(layer) else scores
+            self._judged[layer] = (by_table[0, :self.k].tolist(), ranked[0, :self.k].tolist())
+        return by_table if self.table.preferred(layer) else ranked
 
     def _next(self, layer: int, hidden: torch.Tensor) -> None:
         """The runtime's layer listener: layer l's expert input, after l's own copies were issued."""
@@ -310,9 +310,9 @@ class LookaheadPrefetcher(PrefetcherBase):
         """Prefetch the top-k of every token's ``scores`` [tokens, E] for ``layer``, most picked first;
         the next ``keep`` of each token are kept where resident (not copied)."""
         k = self.k
-        if self.table is not None and layer < self.table.layers:
-            scores = self._table_or(layer, scores)
         ranked = torch.topk(scores, k + self.kept, dim=-1).indices
+        if self.table is not None and layer < self.table.layers:
+            ranked = self._table_or(layer, ranked)
         if ranked.shape[0] == 1:
             row = ranked[0].tolist()
             order, keep = row[:k], row[k:]
