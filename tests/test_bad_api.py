@@ -317,6 +317,45 @@ def test_a_failed_build_hands_the_model_to_the_next_engine() -> None:
         Engine(model)
 
 
+def test_a_model_whose_build_failed_says_so_when_run_alone() -> None:
+    """Its experts live in the failed build's store, its slots are gone: running the model without a
+    new Engine is one ModelError (not an IndexError deep in the runtime); a new Engine still works."""
+    from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher
+
+    class Fails(LookaheadPrefetcher):
+        def bind(self, target: Any, sink: Any) -> None:
+            raise RuntimeError("no room")
+
+    model = tiny_model()
+    with pytest.raises(PluginError, match="no room"):
+        Engine(model, prefetcher=Fails())
+    with pytest.raises(ModelError, match="Engine that failed to build"), torch.inference_mode():
+        model(torch.tensor([[5, 17, 99]]))
+    assert Engine(model, max_new_tokens=3).generate([5, 17, 99]).token_ids
+
+
+def test_a_restore_that_fails_leaves_the_build_error_and_the_model_handed_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Restoring the model after a failed build can fail too (a device error): the build's error is
+    what is raised, with the restore's as a note, and the runtime is orphaned all the same."""
+    import specfit.core.engine as engine_module
+    from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher
+
+    class Fails(LookaheadPrefetcher):
+        def bind(self, target: Any, sink: Any) -> None:
+            raise RuntimeError("no room")
+
+    def broken(*_: Any) -> None:
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine_module, "restore_dense_placement", broken)
+    model = tiny_model()
+    with pytest.raises(PluginError, match="no room") as caught:
+        Engine(model, prefetcher=Fails())
+    assert any("device lost" in note for note in getattr(caught.value, "__notes__", []))
+    monkeypatch.undo()
+    assert Engine(model, max_new_tokens=3).generate([5, 17, 99]).token_ids  # taken over, not "held"
+
+
 def test_a_failed_full_cache_build_says_the_model_must_be_loaded_again() -> None:
     """cache=full drops the host copy once every expert is in a slot: a build that fails after that
     leaves nothing to take over, and the next Engine says so."""

@@ -152,10 +152,13 @@ class Engine:
                                       compute=expert_compute)
         try:
             self._bind(model, tokenizer, drafter, selector, cost_model, predictor, prefetcher, numerics)
-        except BaseException:  # hand the model on: the next Engine over it takes the experts from this store
-            restore_forward_hooks(hooks)
-            restore_dense_placement(model, tensors)  # as loaded: numerics and device are the next Engine's
-            self.runtime.orphan()
+        except BaseException as exc:  # hand the model on: the next Engine over it takes the experts from this store
+            self.runtime.orphan()  # first: it cannot fail, and a restore below might
+            try:
+                restore_forward_hooks(hooks)
+                restore_dense_placement(model, tensors)  # as loaded: numerics and device are the next Engine's
+            except Exception as restore_error:  # the build's own error is the one to report
+                exc.add_note(f"specfit: restoring the model after this failure also failed: {restore_error!r:.200}")
             raise
         self.sampling = sampling or SamplingParams()
         self.max_new_tokens = max_new_tokens

@@ -138,7 +138,11 @@ class OffloadedExperts(nn.Module):
         object.__setattr__(self, "_runtime", runtime)  # not a submodule: .to() must not move the store
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        return self._runtime.run_layer(self.layer, hidden_states, top_k_index, top_k_weights, self.act_fn)
+        runtime = self._runtime
+        if runtime.orphaned:  # its slots are gone; the weights wait in the store for the next Engine
+            raise ModelError("this model's experts belong to an Engine that failed to build, so the model cannot "
+                             "run on its own; build a new Engine over it (it takes the experts over)")
+        return runtime.run_layer(self.layer, hidden_states, top_k_index, top_k_weights, self.act_fn)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, experts={self.num_experts}, offloaded"
@@ -148,7 +152,8 @@ class OffloadRuntime:
     """Owns the host store, the device slots and the resident map; asks the policy what to keep.
 
     ``store``: the experts' host copy from a checkpoint loader (the model's experts modules may hold
-    meta tensors; they are replaced without being read); None builds it from the modules.
+    meta tensors; they are replaced without being read); None builds it from the modules, or takes
+    over the store of an earlier runtime over the same model whose Engine failed to build.
     ``compute``: the expert compute implementation (``auto``, ``grouped``, ``loop``, ``triton``).
     """
 
@@ -216,8 +221,9 @@ class OffloadRuntime:
         model.register_forward_pre_hook(lambda *_: self.begin_pass())
 
     def orphan(self) -> None:
-        """Its Engine failed to build: the next runtime over the model takes over the store; the
-        device slots are freed now, before that runtime allocates its own."""
+        """Its Engine failed to build: the next runtime over the model takes over the store. The
+        device slots are dropped now (on CUDA their memory returns to torch's caching allocator),
+        before that runtime allocates its own; the model's experts refuse to run until then."""
         self.orphaned = True
         self.slots, self._views = [], []
 
