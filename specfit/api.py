@@ -40,12 +40,7 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
     ``check_prompts`` are the prompts a command will decode: each is checked (token ids, context
     limit) before any calibration, so a bad one fails in seconds, not after the other prompts ran.
     """
-    if not isinstance(cfg, DictConfig):
-        raise ConfigError(f"build() takes the config specfit.compose() returns, got {type(cfg).__name__}")
-    missing = [key for key in ("model", "sampling", "cache", "max_new_tokens") if key not in cfg]
-    if missing:
-        raise ConfigError(f"build() takes the config specfit.compose() returns; this one lacks {', '.join(missing)}")
-    check_config(cfg)  # a config changed after compose() gets the same checks
+    _check_composed(cfg, "build()")
     for note in unused_setting_notes(cfg):
         note_once(note)
     plugins = get_plugins()
@@ -105,6 +100,7 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
 def load_shared_target(cfg: DictConfig) -> LoadedModel:
     """The model of a composed config, loaded once for several engines (``build(...,
     shared_target=)``): its experts in one host store, pinned when the engines run on a GPU."""
+    _check_composed(cfg, "load_shared_target()")
     model_cfg = OmegaConf.to_object(cfg.model)
     device = default_device() if model_cfg.device == "auto" else device_arg(model_cfg.device, "model.device")
     return share_experts(load_target(model_cfg), pin=device.type == "cuda", settings=model_settings(cfg))
@@ -115,10 +111,27 @@ def model_settings(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg.model, resolve=True)  # type: ignore[return-value]
 
 
+def _check_composed(cfg: Any, caller: str) -> None:
+    """``cfg`` is what specfit.compose() returns, and still passes its checks."""
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"{caller} takes the config specfit.compose() returns, got {type(cfg).__name__}")
+    missing = [key for key in ("model", "sampling", "cache", "max_new_tokens") if key not in cfg]
+    if missing:
+        raise ConfigError(f"{caller} takes the config specfit.compose() returns; this one lacks {', '.join(missing)}")
+    check_config(cfg)  # a config changed after compose() gets the same checks
+
+
 def _check_shared_target(cfg: DictConfig, shared: LoadedModel) -> None:
-    """A shared target serves configs with the `model` settings it was loaded with, and no other."""
+    """A shared target serves configs with the `model` settings it was loaded with, and no other;
+    its model is a template that no Engine has taken (a copy of a taken one would copy its runtime,
+    the whole expert store with it)."""
+    from specfit.core.offload import OffloadedExperts
+
     if not isinstance(shared, LoadedModel) or shared.settings is None:
         raise ConfigError(f"shared_target={shared!r:.60} must come from specfit.api.load_shared_target")
+    if any(isinstance(m, OffloadedExperts) for m in shared.model.modules()):
+        raise ModelError("shared_target's model was given to an Engine directly; leave the shared target's model "
+                         "alone and build each engine with build(cfg, shared_target=...)")
     settings = model_settings(cfg)
     differ = sorted(k for k in set(settings) | set(shared.settings) if settings.get(k) != shared.settings.get(k))
     if differ:

@@ -86,7 +86,8 @@ def engine_copy(shared: LoadedModel) -> LoadedModel:
     since an engine moves, upcasts and hooks its own model; the experts, meta tensors there, are not."""
     import copy
 
-    return LoadedModel(copy.deepcopy(shared.model), shared.tokenizer, shared.source, shared.expert_store)
+    memo = {id(shared.expert_store): shared.expert_store}  # never a second copy of the experts, whatever refers to it
+    return LoadedModel(copy.deepcopy(shared.model, memo), shared.tokenizer, shared.source, shared.expert_store)
 
 
 def load_target(cfg: ModelConfig) -> LoadedModel:

@@ -65,6 +65,21 @@ def test_a_shared_target_serves_only_its_model_settings() -> None:
         specfit.build(_config("model.seed=3"), calibrate_now=False, shared_target=shared)
 
 
+def test_a_shared_target_whose_model_an_engine_took_is_refused() -> None:
+    """Handing the shared model to an Engine directly makes it that engine's (its experts modules
+    point at a runtime); copying it for another engine would copy the runtime and the whole expert
+    store with it. One line instead, and load_shared_target checks its config as build() does."""
+    from specfit.core.engine import Engine
+    from specfit.errors import ModelError
+
+    shared = load_shared_target(_config())
+    Engine(shared.model, expert_store=shared.expert_store)
+    with pytest.raises(ModelError, match="given to an Engine directly"):
+        specfit.build(_config(), calibrate_now=False, shared_target=shared)
+    with pytest.raises(ConfigError, match="load_shared_target\\(\\) takes the config specfit.compose\\(\\) returns"):
+        load_shared_target({})
+
+
 def test_a_streamed_checkpoint_shared_by_engines(tmp_path) -> None:
     """A checkpoint streamed from safetensors (how real models load: the experts straight into the
     loader's store) serves several engines through that store, each decoding as its own load does."""
