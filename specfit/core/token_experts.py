@@ -7,9 +7,10 @@ reaches 0.70 (0.53 live, right after a change of domain); for layer 0 0.90 again
 on the embedding's 0.85; from layer 2 on the table falls behind (0.74, then 0.62-0.67).
 
 The look-ahead asks the table for the first layers and takes its picks where it has been the better
-predictor lately: every one-token pass scores both against the layer's real routing, so a model
-whose early routing follows context keeps its router's picks. Learning is a count per (token,
-expert) from every pass; a token the table has not seen leaves the pass to the router.
+predictor lately: every one-token pass whose token the table has seen scores both against the
+layer's real routing, so a model whose early routing follows context keeps its router's picks.
+Learning is a count per (token, expert) from every pass the look-ahead runs in; a token the table
+has not seen leaves the pass to the router, and ties in its counts go by the router's ranking.
 """
 
 from __future__ import annotations
@@ -41,11 +42,18 @@ class TokenExperts:
     def learn(self, layer: int, ids: Sequence[int], routed: np.ndarray) -> None:
         """``routed`` int [tokens, top_k]: the experts ``layer`` chose for each of ``ids``."""
         table = self.counts[layer]
-        for token, experts in zip(ids, routed):
+        if len(ids) == 1:  # a decode step
+            rows = {ids[0]: np.bincount(routed[0], minlength=self.experts)}
+        else:  # a long pass (a prefill): counted per distinct token in one go
+            tokens, which = np.unique(np.asarray(ids), return_inverse=True)
+            grid = np.zeros((len(tokens), self.experts), dtype=np.float32)
+            np.add.at(grid, (np.repeat(which, routed.shape[1]), routed.reshape(-1)), 1.0)
+            rows = dict(zip(tokens.tolist(), grid))
+        for token, counts in rows.items():
             row = table.get(token)
             if row is None:
                 row = table[token] = np.zeros(self.experts, dtype=np.float32)
-            row[experts] += 1.0
+            row += counts
 
     def judge(self, layer: int, routed: Sequence[int], table_picks: Sequence[int], router_picks: Sequence[int]) -> None:
         """One token's picks by each predictor against the experts ``layer`` then chose."""

@@ -73,6 +73,31 @@ def test_a_one_token_pass_takes_the_tables_picks_where_preferred() -> None:
     by_router = torch.topk(scores, 2).indices
     picked = prefetcher._table_or(0, by_router)
     assert sorted(picked[0].tolist()) == [2, 3]
+    wider = torch.topk(scores, 4).indices  # more than the token was seen with: the router's next picks fill up
+    assert prefetcher._table_or(0, wider)[0].tolist()[2:] == [e for e in wider[0].tolist() if e not in (2, 3)][:2]
     assert prefetcher._judged[0][1][0] == 5  # both rankings are kept to be scored when layer 0 routes
     table.recall[0] = (0.0, 1.0)  # the router has done better lately: its ranking stands
     assert prefetcher._table_or(0, by_router) is by_router
+
+
+def test_the_tables_picks_in_tree_and_prompt_passes_stay_lossless() -> None:
+    """With the table preferred on its layers from the start, every pass it has seen all tokens of
+    (prompts again, verification trees) takes the table's picks; the output is still the target's."""
+    from specfit.plugins.drafters.eagle3.drafter import Eagle3Drafter
+
+    class TablePreferred(LookaheadPrefetcher):
+        def _table_or(self, layer: int, ranked: torch.Tensor) -> torch.Tensor:
+            self.table.recall[layer] = (1.0, 0.0)  # whatever the scores say
+            picked = super()._table_or(layer, ranked)
+            self.used += picked is not ranked
+            return picked
+
+    prefetcher = TablePreferred(gate=False)
+    prefetcher.used = 0
+    engine = Engine(tiny_model(), drafter=Eagle3Drafter(path="random"), cache=LRUCache(capacity=3), copy="emulated",
+                    prefetcher=prefetcher, max_new_tokens=10)
+    plain = Engine(tiny_model(), cache=LRUCache(capacity=3), max_new_tokens=10)
+    prompt = [5, 17, 99, 5, 17, 99, 5, 17]
+    for _ in range(2):
+        assert engine.generate(prompt).token_ids == plain.generate(prompt).token_ids
+    assert prefetcher.used > 0

@@ -53,8 +53,9 @@ change its top-k, so the hook is one matmul, a top-k and one host read.
 In the first MoE layers the routing follows the token more than its context, so for the first
 ``token_table`` layers (default 2) a per-token table of the experts each layer chose before
 (:mod:`specfit.core.token_experts`) competes with the router: both are scored against the routing of
-every one-token pass, and the table's picks are taken for a pass whose tokens it has all seen while
-it has recalled that layer better lately. Live on the demo (8 held-out prompts, prose then GSM):
+every one-token pass whose token the table has seen, and the table's picks are taken for a pass
+whose tokens it has all seen while it has recalled that layer better lately. It learns from every
+pass the look-ahead runs in (not while its gate pauses it). Live on the demo (8 held-out prompts, prose then GSM):
 layer 0 0.91-0.99 against its router on the embedding's 0.79-0.89, layer 1 0.82-0.93 against the
 fitted map's 0.49-0.82 (0.49-0.53 on GSM after prose), layer 2 0.63-0.87 against 0.74-0.90 (there the
 router keeps it). AR + look-ahead, interleaved: misses 4.68 -> 4.04 a token, stall -0.22 to -0.24 ms
@@ -123,8 +124,10 @@ def check_lookahead_settings(source: str, per_layer: int | None, picks: int | No
         raise ConfigError(f"prefetch.source={source!r} must be one of {', '.join(SOURCES)}")
     for key, value, least in (("per_layer", per_layer, 1), ("picks", picks, 1), ("keep", keep, 0),
                               ("token_table", token_table, 0)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least):
-            raise ConfigError(f"prefetch.{key}={value!r} must be an integer >= {least} (or null)")
+        if (value is None and key == "token_table") or value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least):
+            nullable = "" if key == "token_table" else " (or null)"
+            raise ConfigError(f"prefetch.{key}={value!r} must be an integer >= {least}{nullable}")
 
 
 class LookaheadPrefetcher(PrefetcherBase):
@@ -170,7 +173,6 @@ class LookaheadPrefetcher(PrefetcherBase):
             self.table = TokenExperts(min(self.token_table, len(routers)), spec.num_experts)
             self._runtime, self._ids, self._judged = target.runtime, None, {}
             self.handles.append(model.register_forward_pre_hook(self._pass_ids, with_kwargs=True))
-            target.runtime.add_layer_listener(self._table_learns)
         for router in routers[:len(own_layers)]:
             router.folded = fold_norm(router, spec.hidden_size)
             if router.folded is not None and router.folded.device.type == "cpu":
@@ -181,6 +183,8 @@ class LookaheadPrefetcher(PrefetcherBase):
         if fitted:
             self.fitted = NextLayerRouter(routers)
             target.runtime.add_layer_listener(self._fitted_next)
+        if self.table is not None:  # after the next layer's prefetch: its copies need the lead, learning can wait
+            target.runtime.add_layer_listener(self._table_learns)
         for index, layer in enumerate(own_layers):
             self.handles.append(layer.register_forward_pre_hook(self._own_hook(index), with_kwargs=True))
         self._early: torch.Tensor | None = None  # this pass's first-layer input, embedded early
@@ -233,7 +237,12 @@ class LookaheadPrefetcher(PrefetcherBase):
         counted = self.table.scores(layer, ids) if ids is not None and len(ids) == ranked.shape[0] else None
         if counted is None:
             return ranked
-        by_table = torch.topk(counted, ranked.shape[1], dim=-1).indices
+        # counts are whole numbers: the router's ranking, worth less than one count, breaks their ties,
+        # so a token seen with fewer experts than asked for gets the router's next picks, not arbitrary ones
+        width, router_order = ranked.shape[1], ranked.cpu()
+        tiebreak = (width - torch.arange(width, dtype=counted.dtype)) * (0.5 / width)
+        counted = counted.scatter_add(1, router_order, tiebreak.expand(router_order.shape).contiguous())
+        by_table = torch.topk(counted, width, dim=-1).indices
         if len(ids) == 1:
             self._judged[layer] = (by_table[0, :self.k].tolist(), ranked[0, :self.k].tolist())
         return by_table if self.table.preferred(layer) else ranked
