@@ -63,7 +63,8 @@ def stats_line(stats: dict[str, Any]) -> str:
                      + (f" (precision {figures['prefetch_precision']:.2f}, recall {figures['prefetch_recall']:.2f})"
                         if "prefetch_precision" in figures else ""))
     if "expert_host_bytes" in stats:  # where the weights live (Engine.info)
-        parts.append(f"memory=experts host {stats['expert_host_bytes'] / 1e6:.1f}MB + device "
+        shared = " (shared)" if stats.get("expert_store_shared") else ""
+        parts.append(f"memory=experts host {stats['expert_host_bytes'] / 1e6:.1f}MB{shared} + device "
                      f"{stats['expert_device_bytes'] / 1e6:.1f}MB, dense {stats['dense_device_bytes'] / 1e6:.1f}MB")
     if stats.get("h2d_emulated"):
         link = stats.get("copy_engine", {})

@@ -404,10 +404,12 @@ class LiveVerifier:
 
 
 def memory_info(runtime: OffloadRuntime, model: nn.Module) -> dict[str, int]:
-    """Where the weights live: the experts' host store, the device slot pool, and the dense rest."""
+    """Where the weights live: the experts' host store (shared: one copy for several engines, counted
+    once however many report it), the device slot pool, and the dense rest."""
     dense = {id(t): t for t in (*model.parameters(), *model.buffers()) if not t.is_meta}  # tied weights once
     return {
         "expert_host_bytes": runtime.store.nbytes,
+        "expert_store_shared": bool(runtime.store.shared),  # one host copy read by several engines (the bench)
         "expert_device_bytes": runtime.device_bytes,
         "dense_device_bytes": sum(t.numel() * t.element_size() for t in dense.values()),
     }

@@ -38,6 +38,7 @@ def test_engines_over_a_shared_target_decode_as_their_own_loads() -> None:
     assert store.shared and all(layer is not None for layer in store.layers)
     assert all(slots.data_ptr() != layer.data_ptr() for slots, layer in zip(engines[1].runtime.slots, store.layers))
     alone = specfit.build(lru, calibrate_now=False)  # a load of its own
+    assert all(e.info["expert_store_shared"] for e in engines) and not alone.info["expert_store_shared"]
     expected = alone.generate(PROMPT, max_new_tokens=10).token_ids
     for engine in engines:
         assert engine.generate(PROMPT, max_new_tokens=10).token_ids == expected
