@@ -207,10 +207,15 @@ class LookaheadPrefetcher(PrefetcherBase):
         self.active = self.gate.next_pass(self.sink.prefetches_used(), self.sink.saved_per_use())
 
     def _pass_ids(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """The model's forward pre-hook: the pass's token ids, for the token table."""
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        self._ids = ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else None
+        """The model's forward pre-hook: the pass's token ids, for the token table (none while the
+        gate pauses the look-ahead; their host read is look-ahead time the gate weighs)."""
+        self._ids = None
         self._judged.clear()
+        if self.active:
+            self._timed("lookahead (table)", self._read_ids, kwargs.get("input_ids", args[0] if args else None))
+
+    def _read_ids(self, ids: Any) -> None:
+        self._ids = ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else None
 
     def _table_learns(self, layer: int, _hidden: torch.Tensor) -> None:
         """The runtime's layer listener: the experts ``layer`` chose score the picks made for it (a
