@@ -37,7 +37,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from specfit.core.copy_engines import waits_measured
-from specfit.core.stats import CycleRecord
+from specfit.core.stats import CycleRecord, visible_copy_seconds, waited_copy_seconds  # noqa: F401 - also their old home
 from specfit.errors import ConfigError
 from specfit.files import read_json_object
 from specfit.progress import progress
@@ -116,26 +116,6 @@ def robust_nnls(x: np.ndarray, y: np.ndarray, rounds: int = 3, z: float = 4.0,
         keep = ~slow
         coef = nnls(x[keep], y[keep])
     return coef, keep
-
-
-def visible_copy_seconds(record: CycleRecord, overlap: bool = False) -> float:
-    """The copy seconds a cycle's misses are charged for (c_copy): its H2D seconds, or, when its
-    copies were pipelined by prefetch (``overlap``, or the record says so), the time compute
-    blocked on them, where it was measured."""
-    stall = getattr(record, "h2d_stall_seconds", None)
-    pipelined_copies = overlap or getattr(record, "copies_overlap", False)
-    return float(stall) if pipelined_copies and stall is not None else record.h2d_seconds
-
-
-def waited_copy_seconds(record: CycleRecord, overlap: bool = False) -> float:
-    """The copy seconds a cycle's time contains: what its passes waited where the host measured it
-    (an emulated link; pipelined rounds hide copies behind compute even without prefetch), else
-    :func:`visible_copy_seconds`. The compute fit subtracts this, so hidden copies are not taken
-    for faster compute (the replay models the rounds' overlap itself)."""
-    stall = getattr(record, "h2d_stall_seconds", None)
-    if getattr(record, "stall_measured", False) and stall is not None:
-        return float(stall)
-    return visible_copy_seconds(record, overlap)
 
 
 def fit_constants(records: Sequence[CycleRecord], fallback_copy_seconds: float | None = None,

@@ -17,10 +17,9 @@ import torch
 
 from specfit.core import guard
 from specfit.core.acceptance import Acceptance, walk
-from specfit.core.calibration import waited_copy_seconds
 from specfit.core.context import TokenContext
 from specfit.core.sampling import Sampler
-from specfit.core.stats import CycleRecord, prediction_overlap
+from specfit.core.stats import CycleRecord, prediction_overlap, waited_copy_seconds
 from specfit.core.tree import DraftTree, VerifyBlock, verify_block
 from specfit.errors import ConfigError, PluginError
 from specfit.validation import is_collection
