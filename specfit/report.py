@@ -59,12 +59,23 @@ def read_all_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
             seen.add(f.resolve())
             file_rows = read_jsonl(f, key="report")  # a torn last line (an interrupted run) is skipped
             if not path.is_dir() and not any(is_results_row(r) for r in file_rows):  # named, so meant as results
-                what = "it is empty" if not file_rows else f"no row has {' or '.join(map(repr, RESULTS_ROW_KEYS))}"
+                if file_rows:
+                    what = f"no row has {' or '.join(map(repr, RESULTS_ROW_KEYS))}"
+                else:
+                    what = "its only line is cut short, an interrupted write" if f.read_bytes().strip() else "it is empty"
                 raise ConfigError(f"report: {f}: holds no specfit results rows ({what}); name results.jsonl files "
                                   "or run directories")
+            if file_rows and all(_is_summary_row(r) for r in file_rows):
+                raise ConfigError(f"report: {f} is a bench summary (each method's means), not its runs; name the "
+                                  f"results.jsonl beside it or the run directory")
             _check_runs(f, file_rows)
             rows += file_rows
     return rows
+
+
+def _is_summary_row(row: dict[str, Any]) -> bool:
+    """A row of bench's summary.jsonl: a method's means over a workload (or over all of them)."""
+    return "command" not in row and ("outputs_identical" in row or row.get("workload") == "all")
 
 
 def acceptance_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -189,6 +189,15 @@ def results_case(*lines: bytes) -> Callable[[Path, dict[str, Path]], list[str]]:
     return make
 
 
+def torn_results_case(make_row: Callable[[], bytes]) -> Callable[[Path, dict[str, Path]], list[str]]:
+    """A results file whose only line stops mid-row (a run interrupted while writing it)."""
+    def make(tmp: Path, good: dict[str, Path]) -> list[str]:
+        f = tmp / "results.jsonl"
+        f.write_bytes(make_row()[:40])
+        return [str(f)]
+    return make
+
+
 def row(**changes: object) -> bytes:
     return json.dumps({**GOOD_ROW, **changes}).encode()
 
@@ -307,6 +316,12 @@ CASES: dict[str, Case] = {
                                     command="report", api="report"),
     "results_empty_file": Case(results_case(), ConfigError, "{dir}: holds no specfit results rows (it is empty)",
                                command="report", api="report"),
+    "results_only_a_torn_line": Case(torn_results_case(lambda: row()), ConfigError,
+                                     "{dir}: holds no specfit results rows (its only line is cut short",
+                                     command="report", api="report"),
+    "results_bench_summary": Case(results_case(row(outputs_identical=True), row(workload="all")), ConfigError,
+                                  "{dir} is a bench summary (each method's means), not its runs",
+                                  command="report", api="report"),
     "results_bench_row_without_throughput": Case(results_case(row(), b'{"command": "bench", "method": "ar"}'),
                                                  ConfigError, "{dir} line 2: a bench row without output_throughput",
                                                  command="report", api="report"),
