@@ -260,6 +260,8 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
     flags = _hydra_args(args)
     is_query = flags.help or flags.hydra_help or flags.cfg or flags.info or flags.shell_completion
     elsewhere = flags.config_path or flags.config_name or flags.config_dir or flags.experimental_rerun
+    if not is_query:
+        _check_given_once(args)
     if not (is_query or elsewhere or flags.multirun):
         # one clear line for a bad key or value, before Hydra starts and before any model is built
         values = _override_values(args)
@@ -371,6 +373,18 @@ def _check_command_keys(command: str, values: dict[str, Any]) -> None:
             by = " and ".join(f"specfit {r}" for r in readers)
             raise ConfigError(f"{key.lstrip('+~')}: only {by} read{'s' if len(readers) == 1 else ''} it; "
                               f"specfit {command} would ignore it")
+
+
+def _check_given_once(args: list[str]) -> None:
+    """Each key is given once: of a key given twice Hydra silently keeps the last value."""
+    seen: dict[str, str] = {}
+    for arg, parsed in _parsed_overrides(args):
+        if parsed is None:  # compose() names it
+            continue
+        key = parsed.key_or_group
+        if key in seen:
+            raise ConfigError(f"{key} is given twice ({seen[key]} and {arg}); give it once")
+        seen[key] = arg
 
 
 def _override_values(args: list[str]) -> dict[str, Any]:

@@ -213,7 +213,8 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictC
             with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
                 cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
     except Exception as exc:  # hydra/omegaconf raise many types; all are config mistakes here
-        raise ConfigError(_unselected_group(exc, overrides, config_name) or one_line_config_error(exc)) from exc
+        raise ConfigError(_unselected_group(exc, overrides, config_name) or _naming_unparsed(
+            one_line_config_error(exc), exc, overrides)) from exc
     check_config(cfg, relations=False)  # bench composes single overrides to see which methods they fit
     return cfg
 
@@ -248,6 +249,25 @@ def _unselected_group(exc: BaseException, overrides: Sequence[str], config_name:
 
 
 # --------------------------------------------------------------------------- checks after composition
+
+
+def _naming_unparsed(message: str, exc: BaseException, overrides: Sequence[str]) -> str:
+    """A parse error that does not say which override it is about ("mismatched input '='") names it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from specfit.config_messages import _is_parse_error
+
+    if not _is_parse_error(exc):
+        return message
+    for override in overrides:
+        try:
+            OverridesParser.create().parse_overrides([override])
+        except Exception:  # noqa: BLE001 - this one does not parse
+            if override.partition("=")[0].lstrip("+~") not in message:
+                reason = message.split(" See https://")[0]
+                return f"cannot parse {override!r}: {reason} (a value holding '=' or spaces is quoted: key='a=b')"
+            return message
+    return message
 
 
 def check_config(cfg: DictConfig, relations: bool = True) -> None:

@@ -88,7 +88,8 @@ CASES: list[tuple[str, str, str]] = [
     # a setting of another plug-in of the group: named by the plug-in chosen, not its config class
     (f"{S} drafter.top_k=3", "drafter=none has no setting 'top_k' (it has no settings)", EARLY),
     (f"{S} workload=prose workload.foo=1", "workload has no setting 'foo' (its settings: kind,", EARLY),  # not a plug-in
-    (f"{SPEC} selector=greedy selector.objective=rate", "selector=greedy has no setting 'objective' (its settings:",
+    (f"{S} drafter=eagle3 selector=greedy cost_model=union predictor=history selector.objective=rate",
+     "selector=greedy has no setting 'objective' (its settings:",
      EARLY),
     # the cache and copy engine
     (f"{S} cache.capacity=0", "cache.capacity", EARLY),
@@ -138,6 +139,8 @@ CASES: list[tuple[str, str, str]] = [
     # selector, cost model and predictor options
     (f"{S} selector=specfit", "cost_model", LATE),
     (f"{SPEC} selector.acceptance=foo", "selector.acceptance", EARLY),
+    (f"{SPEC} selector=greedy", "selector is given twice (selector=specfit and selector=greedy); give it once", EARLY),
+    (f"{S} cache.capacity=a=b", "cannot parse 'cache.capacity=a=b': mismatched input", EARLY),
     (f"{SPEC} selector.draft_time=foo", "selector.draft_time", EARLY),
     (f"{SPEC} selector.gate_max_backoff=0", "selector.gate_max_backoff", EARLY),
     (f"{SPEC} predictor.max_keys=0", "predictor.max_keys", EARLY),
@@ -214,6 +217,8 @@ CASES: list[tuple[str, str, str]] = [
     ("bench model=tiny methods=[ar] workloads=[gsm] workload=prose", "give workload=NAME or workloads=[...], not both",
      EARLY),
     ("bench model=tiny methods=[ar] workloads=[prosee]", "workloads=['prosee']: 'prosee' is not a workload", EARLY),
+    ("bench model=tiny methods=[ar] workloads=[prose,gsm,prose]", "workloads=['prose', 'gsm', 'prose'] names prose "
+     "more than once", EARLY),
     ("bench model=tiny methods=[ar] workloads=[gsm] workload.kind=prose workload.num_prompts=1",
      "workload.kind=prose contradicts workloads=['gsm']", EARLY),
     ("""bench model=tiny prompt_ids=[1] methods=[ar,bad] '+method_presets.bad=["selector=nope"]'""",

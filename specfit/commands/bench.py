@@ -330,6 +330,10 @@ def _check_workloads(cfg: DictConfig, overrides: list[str]) -> None:
     method's preset look broken); and ``workload.kind`` beside the list, which applies to every
     workload of it, must not contradict one's own kind (prose prompts would run labelled gsm)."""
     kind = next((o.split("=", 1)[1] for o in overrides if override_key(o) == "workload.kind" and "=" in o), None)
+    twice = sorted({str(w) for w in cfg.workloads if list(cfg.workloads).count(w) > 1})
+    if twice:
+        raise ConfigError(f"workloads={list(cfg.workloads)} names {', '.join(twice)} more than once: rows are labelled "
+                          "by workload, so a second run of one would be indistinguishable (use repeats=N for more runs)")
     for w in cfg.workloads:
         try:
             own = compose([f"workload={w}"], config_name=_config_name()).workload.kind
