@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 from omegaconf import MISSING, DictConfig
@@ -366,6 +367,7 @@ def _check_relations(cfg: DictConfig) -> None:
         raise ConfigError(f"give one of prompt, prompt_ids and prompt_file, not {' and '.join(given)}")
     if cfg.workload.kind == "jsonl" and cfg.workload.path is None:
         raise ConfigError("workload.kind=jsonl needs workload.path=FILE")
+    _check_workload_kind(cfg.workload, listed=bool(cfg.workloads))
     # a num_prompts given for a workload that takes every prompt it holds would do nothing (only a value
     # other than the default can be told apart from no value at all; a bench's list: specfit.commands.bench)
     if (cfg.workload.kind in TAKES_ALL_PROMPTS and not cfg.workloads
@@ -376,6 +378,36 @@ def _check_relations(cfg: DictConfig) -> None:
             if method not in cfg.method_presets:
                 raise ConfigError(f"{key}: {method!r} has no entry in method_presets "
                                   f"(known: {', '.join(cfg.method_presets)})")
+
+
+# the workload keys only some kinds read (specfit.workloads); prompts, prompt_ids and max_prompts apply to all
+WORKLOAD_KEY_KINDS = {
+    "path": ("jsonl",),
+    "dataset": ("hf",),
+    "split": ("hf",),
+    "data_dir": ("prose", "summary", "gsm"),
+    "prompt_chars": ("prose", "summary"),
+    "seed": ("prose", "summary", "gsm", "hf"),
+}
+
+
+def _check_workload_kind(workload: DictConfig, listed: bool) -> None:
+    """A named workload keeps its own kind (``workload=prose workload.kind=gsm`` would label GSM
+    prompts prose), and a key its kind does not read is refused rather than ignored (a bench's
+    ``workloads=[...]`` list is checked over the whole list: specfit.commands.bench)."""
+    from omegaconf import OmegaConf
+
+    preset = Path(__file__).parent / "conf" / "workload" / f"{workload.name}.yaml"
+    own = OmegaConf.load(preset).get("kind") if preset.is_file() else None
+    if own is not None and own != workload.kind:
+        raise ConfigError(f"workload.kind={workload.kind} contradicts workload={workload.name} (kind {own}): drop "
+                          f"workload.kind, or name a workload of kind {workload.kind}")
+    if listed or workload.kind == "inline":  # inline: a prompt beside workload keys is its own error (cli)
+        return
+    for key, kinds in WORKLOAD_KEY_KINDS.items():
+        if workload.kind not in kinds and workload.get(key) != getattr(WorkloadConfig, key):
+            raise ConfigError(f"workload.{key}={workload.get(key)} does not apply to workload={workload.name} (kind "
+                              f"{workload.kind}): only kind={' or '.join(kinds)} reads it")
 
 
 def _check_workload(workload: DictConfig) -> None:

@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from specfit.api import build, load_shared_target, model_settings
 from specfit.core.loading import LoadedModel
 from specfit.commands.generate import describe_prompts, prompts_of
-from specfit.config import TAKES_ALL_PROMPTS, compose, num_prompts_unused, override_key
+from specfit.config import TAKES_ALL_PROMPTS, WORKLOAD_KEY_KINDS, compose, num_prompts_unused, override_key
 from specfit.errors import ConfigError
 from specfit.files import check_results_file, check_writable, read_jsonl, write_atomic
 from specfit.progress import progress
@@ -334,6 +334,7 @@ def _check_workloads(cfg: DictConfig, overrides: list[str]) -> None:
     if twice:
         raise ConfigError(f"workloads={list(cfg.workloads)} names {', '.join(twice)} more than once: rows are labelled "
                           "by workload, so a second run of one would be indistinguishable (use repeats=N for more runs)")
+    kinds = []
     for w in cfg.workloads:
         try:
             own = compose([f"workload={w}"], config_name=_config_name()).workload.kind
@@ -342,6 +343,12 @@ def _check_workloads(cfg: DictConfig, overrides: list[str]) -> None:
         if kind is not None and own != cfg.workload.kind:
             raise ConfigError(f"workload.kind={kind} contradicts workloads={list(cfg.workloads)}: workload {w} is "
                               f"kind {own}; drop workload.kind (each workload of the list has its own kind)")
+        kinds.append(own)
+    for key, readers in WORKLOAD_KEY_KINDS.items():  # a key none of the list's workloads reads
+        given = next((o for o in overrides if override_key(o) == f"workload.{key}"), None)
+        if kinds and given is not None and not set(kinds) & set(readers):
+            raise ConfigError(f"{given} does not apply to workloads={list(cfg.workloads)}: only kind="
+                              f"{' or '.join(readers)} reads it")
 
 
 @dataclass
