@@ -149,14 +149,18 @@ def append_jsonl_lines(path: str | Path, rows: Iterable[dict[str, Any]], default
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = "".join(json.dumps(row, default=default) + "\n" for row in rows).encode("utf-8")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o666)
     try:
-        _cut_torn_tail(fd, path)
-        while data:
-            data = data[os.write(fd, data):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o666)
+        try:
+            _cut_torn_tail(fd, path)
+            while data:
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:  # a full disk, a device that refuses writes: say which file lost its rows
+        raise ConfigError(f"{path}: cannot append the results to it ({exc.strerror or exc}); the run's rows "
+                          "were not saved") from exc
     return path
 
 

@@ -572,3 +572,10 @@ def test_a_sweep_folder_that_cannot_be_made_is_named(tmp_path, capsys):
     code, _, err, _ = run_cli(["generate", "-m", "model=tiny", "prompt_ids=[1]", "max_new_tokens=2,3",
                                f"hydra.sweep.dir={blocker}/x"], capsys)
     assert code == 2 and f"hydra.sweep.dir={blocker}/x: cannot create the run folder" in err, err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a device whose writes fail)")
+def test_a_results_file_that_cannot_be_written_is_named(tmp_path, capsys):
+    code, _, err, _ = run_cli(["generate", "model=tiny", "prompt_ids=[1,2,3]", "max_new_tokens=2",
+                               "results_file=/dev/full", f"hydra.run.dir={tmp_path}"], capsys)
+    assert code == 2 and "/dev/full: cannot append the results to it (No space left on device)" in err, err
