@@ -253,11 +253,25 @@ def _unselected_group(exc: BaseException, overrides: Sequence[str], config_name:
 
 
 def _naming_unparsed(message: str, exc: BaseException, overrides: Sequence[str]) -> str:
-    """A parse error that does not say which override it is about ("mismatched input '='") names it."""
+    """A parse error that does not say which override it is about ("mismatched input '='") names
+    it, and a group set to null is told how groups are removed."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from specfit.config_messages import _is_parse_error
 
+    if "Config group override must be a string or a list. Got NoneType" in message:
+        nulled = next((o for o in overrides if o.partition("=")[2] == "null"), None)
+        if nulled is not None:
+            key = override_key(nulled)
+            return (f"{nulled}: {key} is a group of options: choose one ({key}=NAME; `specfit plugins` lists "
+                    f"them) or drop the group with ~{key}")
+    if "Merge error" in message and "is not a subclass of" in message:  # two options of one group, as a list
+        listed = next((o for o in overrides if o.partition("=")[2].startswith("[") and "." not in override_key(o)
+                       and f"In '{override_key(o)}/" in message), None)
+        if listed is not None:
+            key = override_key(listed)
+            hint = " (prefetch=auto combines lookahead and draft)" if key == "prefetch" else ""
+            return f"{listed}: {key} takes one option, not a list{hint}"
     if not _is_parse_error(exc):
         return message
     for override in overrides:
