@@ -344,6 +344,9 @@ def _check_values(cfg: DictConfig) -> None:
     integer("max_new_tokens", cfg.max_new_tokens, minimum=1)
     integer("repeats", cfg.repeats, minimum=1)
     integer("warmup", cfg.warmup, minimum=0)
+    if not str(cfg.results_file or "").strip():
+        raise ConfigError("results_file is empty: name the file the rows go to (default results.jsonl, in the run "
+                          "folder)")
     if cfg.prompt_ids is not None:
         token_ids("prompt_ids", cfg.prompt_ids, allow_empty=False)
     token_ids("stop_token_ids", cfg.stop_token_ids)

@@ -52,7 +52,8 @@ def read_all_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
             if eq and key.replace(".", "").replace("_", "").isalnum() and not path.exists():  # out_dir=DIR, Hydra-style
                 raise ConfigError(f"report: no results found at {path} (specfit report takes results paths and "
                                   f"--out DIR, not {key}=...)")
-            raise ConfigError(f"report: no results found at {path}")
+            raise ConfigError(f"report: no results found at {path}" + ("" if path.exists() else " (no such file or "
+                                                                                       "directory)"))
         for f in files:
             if f.resolve() in seen:
                 continue

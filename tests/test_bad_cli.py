@@ -142,6 +142,8 @@ CASES: list[tuple[str, str, str]] = [
     (f"{SPEC} selector=greedy", "selector is given twice (selector=specfit and selector=greedy); give it once", EARLY),
     (f"{S} cache.capacity=a=b", "cannot parse 'cache.capacity=a=b': mismatched input", EARLY),
     (f"{S} cost_model=null", "cost_model=null: cost_model is a group of options", EARLY),
+    (f"{S} results_file=", "results_file is empty", EARLY),
+    (f"{SPEC} cost_model.calibration={{tmp}}", "cost_model.calibration={tmp}: is a directory", LATE),
     (f"{S} prefetch=[lookahead,draft]", "prefetch takes one option, not a list (prefetch=auto combines", EARLY),
     (f"{SPEC} selector.draft_time=foo", "selector.draft_time", EARLY),
     (f"{SPEC} selector.gate_max_backoff=0", "selector.gate_max_backoff", EARLY),

@@ -248,13 +248,17 @@ def test_paired_ratio_is_the_geometric_mean_of_run_ratios_with_a_bootstrap_inter
 
 
 def test_bench_prints_the_paired_ratio_per_workload_and_for_all_workloads(tmp_path, capsys):
-    main(["bench", "model=tiny", "methods=[ar,ar_prefetch]", "workloads=[inline,inline]", "prompt_ids=[5,17,99]",
-          "max_new_tokens=4", "repeats=2", "cache.copy=emulated", "cache.capacity=2", f"hydra.run.dir={tmp_path}"])
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [7, 3, 12]}\n')
+    # two workloads: inline (workload.prompt_ids) and jsonl (the file, after workload.prompt_ids)
+    main(["bench", "model=tiny", "methods=[ar,ar_prefetch]", "workloads=[inline,jsonl]", f"workload.path={prompts}",
+          "workload.prompt_ids=[[5,17,99]]", "max_new_tokens=4", "repeats=2", "cache.copy=emulated",
+          "cache.capacity=2", f"hydra.run.dir={tmp_path}/run"])
     out = capsys.readouterr().out
     assert out.count("paired [95% CI]") == 3 and "all workloads together" in out
-    summary = [json.loads(line) for line in (tmp_path / "summary.jsonl").read_text().splitlines()]
+    summary = [json.loads(line) for line in (tmp_path / "run" / "summary.jsonl").read_text().splitlines()]
     overall = [s for s in summary if s["workload"] == "all"]
-    assert [s["method"] for s in overall] == ["ar", "ar_prefetch"] and overall[1]["paired_runs"] == 4
+    assert [s["method"] for s in overall] == ["ar", "ar_prefetch"] and overall[1]["paired_runs"] == 6  # (1 + 2) x 2
     assert overall[0]["speedup_paired"] == pytest.approx(1.0)
     low, mid, high = (overall[1][k] for k in ("speedup_ci95_low", "speedup_paired", "speedup_ci95_high"))
     assert low <= mid <= high

@@ -348,6 +348,8 @@ def load_constants(path: str | Path) -> CostConstants:
     """Stored constants; a file that is not one (bad bytes, bad JSON, missing or bad values) names itself."""
     path = Path(path).expanduser()
     where = f"cost_model.calibration={path}"
+    if path.is_dir():
+        raise ConfigError(f"{where}: is a directory; name the calibration file (a .json `specfit calibrate` wrote)")
     if not path.is_file():
         raise ConfigError(f"{where}: no such file (run `specfit calibrate` to make one)")
     data = read_json_object(path, where, ConfigError, "not a specfit calibration file")

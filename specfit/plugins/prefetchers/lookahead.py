@@ -170,6 +170,9 @@ class LookaheadPrefetcher(PrefetcherBase):
         if self.gate is not None:  # first: every other hook of a pass asks it whether to run
             self.handles.append(model.register_forward_pre_hook(self._pass_start))
         if self.token_table:  # the pass's token ids, before any hook predicts from them
+            if self.token_table > len(routers):
+                sink.note(f"prefetch.token_table={self.token_table} is more than the model's {len(routers)} MoE "
+                          f"layers: the token table covers all {len(routers)}")
             self.table = TokenExperts(min(self.token_table, len(routers)), spec.num_experts)
             self._runtime, self._ids, self._judged = target.runtime, None, {}
             self.handles.append(model.register_forward_pre_hook(self._pass_ids, with_kwargs=True))
