@@ -261,7 +261,7 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
     is_query = flags.help or flags.hydra_help or flags.cfg or flags.info or flags.shell_completion
     elsewhere = flags.config_path or flags.config_name or flags.config_dir or flags.experimental_rerun
     if not is_query:
-        _check_given_once(args)
+        _note_given_twice(args)
     if not (is_query or elsewhere or flags.multirun):
         # one clear line for a bad key or value, before Hydra starts and before any model is built
         values = _override_values(args)
@@ -375,15 +375,18 @@ def _check_command_keys(command: str, values: dict[str, Any]) -> None:
                               f"specfit {command} would ignore it")
 
 
-def _check_given_once(args: list[str]) -> None:
-    """Each key is given once: of a key given twice Hydra silently keeps the last value."""
+def _note_given_twice(args: list[str]) -> None:
+    """Of a key given twice Hydra keeps the last value: said, not refused, since a script that adds
+    an override to a base command line (as the tests do) means exactly that."""
+    from specfit.config_messages import note_once
+
     seen: dict[str, str] = {}
     for arg, parsed in _parsed_overrides(args):
-        if parsed is None:  # compose() names it
+        if parsed is None or parsed.is_delete():  # compose() names the first; ~key after key=... is its own error
             continue
         key = parsed.key_or_group
-        if key in seen:
-            raise ConfigError(f"{key} is given twice ({seen[key]} and {arg}); give it once")
+        if key in seen and seen[key] != arg:
+            note_once(f"{key} is given twice ({seen[key]}, then {arg}): the last one applies")
         seen[key] = arg
 
 

@@ -139,7 +139,6 @@ CASES: list[tuple[str, str, str]] = [
     # selector, cost model and predictor options
     (f"{S} selector=specfit", "cost_model", LATE),
     (f"{SPEC} selector.acceptance=foo", "selector.acceptance", EARLY),
-    (f"{SPEC} selector=greedy", "selector is given twice (selector=specfit and selector=greedy); give it once", EARLY),
     (f"{S} cache.capacity=a=b", "cannot parse 'cache.capacity=a=b': mismatched input", EARLY),
     (f"{S} cost_model=null", "cost_model=null: cost_model is a group of options", EARLY),
     (f"{S} results_file=", "results_file is empty", EARLY),
@@ -583,3 +582,11 @@ def test_a_results_file_that_cannot_be_written_is_named(tmp_path, capsys):
     code, _, err, _ = run_cli(["generate", "model=tiny", "prompt_ids=[1,2,3]", "max_new_tokens=2",
                                "results_file=/dev/full", f"hydra.run.dir={tmp_path}"], capsys)
     assert code == 2 and "/dev/full: cannot append the results to it (No space left on device)" in err, err
+
+
+def test_a_key_given_twice_is_noted_and_the_last_applies(tmp_path, capsys):
+    main(["generate", "model=tiny", "prompt_ids=[1,2,3]", "max_new_tokens=4", "max_new_tokens=2",
+          f"hydra.run.dir={tmp_path}"])
+    captured = capsys.readouterr()
+    assert "max_new_tokens is given twice (max_new_tokens=4, then max_new_tokens=2): the last one applies" in captured.err
+    assert "tokens=2 " in captured.out
