@@ -355,6 +355,11 @@ _COMMAND_GROUPS = {"replay": ("replay",), "trace": ("record", "replay")}
 _UNREAD_GROUPS = {"record": (("selector", "predictor", "acceptance"),
                              "records with its own selector (every node any selector could verify) and predicts "
                              "nothing, so {key} does not apply; give it to specfit replay")}
+# whole keys (not groups) a command does not take: the demo decodes its own prompts (workload.max_prompts
+# still limits them)
+_UNTAKEN_KEYS = {"demo": (("workload", "workloads"),
+                          "decodes its shipped prompts, so {key} does not apply (their rows would be labelled "
+                          "demo); for other workloads: specfit bench model=demo workloads=[prose,gsm]")}
 
 
 def _check_command_keys(command: str, values: dict[str, Any]) -> None:
@@ -364,7 +369,10 @@ def _check_command_keys(command: str, values: dict[str, Any]) -> None:
     if command not in HYDRA_COMMANDS:
         return
     unread, why = _UNREAD_GROUPS.get(command, ((), ""))
+    untaken, untaken_why = _UNTAKEN_KEYS.get(command, ((), ""))
     for key in values:
+        if key.lstrip("+~") in untaken:
+            raise ConfigError(f"{key.lstrip('+~')}: specfit {command} {untaken_why.format(key=key.lstrip('+~'))}")
         group = key.lstrip("+~").split(".", 1)[0]
         if group in unread:
             raise ConfigError(f"{key.lstrip('+~')}: specfit {command} {why.format(key=key.lstrip('+~'))}")

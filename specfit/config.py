@@ -207,6 +207,7 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictC
     store_configs()
     if isinstance(overrides, (str, bytes, Mapping)) or not all(isinstance(o, str) for o in overrides):
         raise ConfigError(f"compose(overrides=...) takes a list of 'key=value' strings, got {overrides!r:.60}")
+    _check_group_choices(overrides)
     try:
         if GlobalHydra.instance().is_initialized():
             cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
@@ -217,7 +218,57 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictC
         raise ConfigError(_unselected_group(exc, overrides, config_name) or _naming_unparsed(
             one_line_config_error(exc), exc, overrides)) from exc
     check_config(cfg, relations=False)  # bench composes single overrides to see which methods they fit
+    _check_workload_overrides(cfg, overrides)
     return cfg
+
+
+# groups whose default is no option at all, so ``~group`` leaves a valid config
+_REMOVABLE_GROUPS = ("cost_model", "predictor", "acceptance")
+
+
+def _check_group_choices(overrides: Sequence[str]) -> None:
+    """A config group takes one option: a list (``prefetch=[lookahead,draft]``; Hydra merges options
+    of one config class silently, so ``workload=[prose,gsm]`` ran gsm alone) or null is one line."""
+    groups = {*PLUGIN_BASES, *(d.name for d in (Path(__file__).parent / "conf").iterdir() if d.is_dir())}
+    for override in overrides:
+        key, eq, value = override.partition("=")
+        if not eq or key.startswith(("+", "~")) or key not in groups:
+            continue
+        value = value.strip()
+        if value.startswith("["):
+            hint = {"prefetch": " (prefetch=auto combines lookahead and draft)",
+                    "workload": " (several workloads: workloads=[...], in specfit bench)"}.get(key, "")
+            raise ConfigError(f"{override}: {key} takes one option, not a list{hint}")
+        if value == "null":
+            drop = f" or drop the group with ~{key}" if key in _REMOVABLE_GROUPS else \
+                " (prefetch=none turns prefetch off)" if key == "prefetch" else ""
+            raise ConfigError(f"{override}: {key} is a group of options: choose one ({key}=NAME; `specfit plugins` "
+                              f"lists them){drop}")
+
+
+def _check_workload_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """The workload keys given here fit the workload: ``workload.kind`` does not contradict the
+    workload named beside it (``workload=prose workload.kind=gsm`` would label GSM prompts prose),
+    and a key its kind does not read is refused rather than ignored. A bench's ``workloads=[...]``
+    list is checked over the whole list (specfit.commands.bench)."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.get_type(cfg) is not SpecfitConfig or cfg.workloads:
+        return
+    given = {override_key(o): o for o in overrides if "=" in o and not o.startswith("~")}
+    workload = cfg.workload
+    chosen = given.get("workload", "").partition("=")[2]
+    preset = Path(__file__).parent / "conf" / "workload" / f"{chosen}.yaml"
+    own = OmegaConf.load(preset).get("kind") if "workload.kind" in given and preset.is_file() else None
+    if own is not None and own != workload.kind:
+        raise ConfigError(f"workload.kind={workload.kind} contradicts workload={chosen} (kind {own}): drop "
+                          f"workload.kind, or name a workload of kind {workload.kind}")
+    if workload.kind == "inline":  # a prompt beside workload keys is its own error (cli)
+        return
+    for key, kinds in WORKLOAD_KEY_KINDS.items():
+        if f"workload.{key}" in given and workload.kind not in kinds:
+            raise ConfigError(f"{given[f'workload.{key}']} does not apply to workload={workload.name} (kind "
+                              f"{workload.kind}): only kind={' or '.join(kinds)} reads it")
 
 
 def _unselected_group(exc: BaseException, overrides: Sequence[str], config_name: str) -> str | None:
@@ -253,25 +304,11 @@ def _unselected_group(exc: BaseException, overrides: Sequence[str], config_name:
 
 
 def _naming_unparsed(message: str, exc: BaseException, overrides: Sequence[str]) -> str:
-    """A parse error that does not say which override it is about ("mismatched input '='") names
-    it, and a group set to null is told how groups are removed."""
+    """A parse error that does not say which override it is about ("mismatched input '='") names it."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from specfit.config_messages import _is_parse_error
 
-    if "Config group override must be a string or a list. Got NoneType" in message:
-        nulled = next((o for o in overrides if o.partition("=")[2] == "null"), None)
-        if nulled is not None:
-            key = override_key(nulled)
-            return (f"{nulled}: {key} is a group of options: choose one ({key}=NAME; `specfit plugins` lists "
-                    f"them) or drop the group with ~{key}")
-    if "Merge error" in message and "is not a subclass of" in message:  # two options of one group, as a list
-        listed = next((o for o in overrides if o.partition("=")[2].startswith("[") and "." not in override_key(o)
-                       and f"In '{override_key(o)}/" in message), None)
-        if listed is not None:
-            key = override_key(listed)
-            hint = " (prefetch=auto combines lookahead and draft)" if key == "prefetch" else ""
-            return f"{listed}: {key} takes one option, not a list{hint}"
     if not _is_parse_error(exc):
         return message
     for override in overrides:
@@ -280,7 +317,9 @@ def _naming_unparsed(message: str, exc: BaseException, overrides: Sequence[str])
         except Exception:  # noqa: BLE001 - this one does not parse
             if override.partition("=")[0].lstrip("+~") not in message:
                 reason = message.split(" See https://")[0]
-                return f"cannot parse {override!r}: {reason} (a value holding '=' or spaces is quoted: key='a=b')"
+                value = override.partition("=")[2]
+                hint = " (a value holding '=' or spaces is quoted: key='a=b')" if "=" in value or " " in value else ""
+                return f"cannot parse {override!r}: {reason}{hint}"
             return message
     return message
 
@@ -384,7 +423,6 @@ def _check_relations(cfg: DictConfig) -> None:
         raise ConfigError(f"give one of prompt, prompt_ids and prompt_file, not {' and '.join(given)}")
     if cfg.workload.kind == "jsonl" and cfg.workload.path is None:
         raise ConfigError("workload.kind=jsonl needs workload.path=FILE")
-    _check_workload_kind(cfg.workload, listed=bool(cfg.workloads))
     # a num_prompts given for a workload that takes every prompt it holds would do nothing (only a value
     # other than the default can be told apart from no value at all; a bench's list: specfit.commands.bench)
     if (cfg.workload.kind in TAKES_ALL_PROMPTS and not cfg.workloads
@@ -406,25 +444,6 @@ WORKLOAD_KEY_KINDS = {
     "prompt_chars": ("prose", "summary"),
     "seed": ("prose", "summary", "gsm", "hf"),
 }
-
-
-def _check_workload_kind(workload: DictConfig, listed: bool) -> None:
-    """A named workload keeps its own kind (``workload=prose workload.kind=gsm`` would label GSM
-    prompts prose), and a key its kind does not read is refused rather than ignored (a bench's
-    ``workloads=[...]`` list is checked over the whole list: specfit.commands.bench)."""
-    from omegaconf import OmegaConf
-
-    preset = Path(__file__).parent / "conf" / "workload" / f"{workload.name}.yaml"
-    own = OmegaConf.load(preset).get("kind") if preset.is_file() else None
-    if own is not None and own != workload.kind:
-        raise ConfigError(f"workload.kind={workload.kind} contradicts workload={workload.name} (kind {own}): drop "
-                          f"workload.kind, or name a workload of kind {workload.kind}")
-    if listed or workload.kind == "inline":  # inline: a prompt beside workload keys is its own error (cli)
-        return
-    for key, kinds in WORKLOAD_KEY_KINDS.items():
-        if workload.kind not in kinds and workload.get(key) != getattr(WorkloadConfig, key):
-            raise ConfigError(f"workload.{key}={workload.get(key)} does not apply to workload={workload.name} (kind "
-                              f"{workload.kind}): only kind={' or '.join(kinds)} reads it")
 
 
 def _check_workload(workload: DictConfig) -> None:

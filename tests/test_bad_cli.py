@@ -144,6 +144,10 @@ CASES: list[tuple[str, str, str]] = [
     (f"{S} results_file=", "results_file is empty", EARLY),
     (f"{SPEC} cost_model.calibration={{tmp}}", "cost_model.calibration={tmp}: is a directory", LATE),
     (f"{S} prefetch=[lookahead,draft]", "prefetch takes one option, not a list (prefetch=auto combines", EARLY),
+    ("bench model=demo methods=[ar] workload=[prose,gsm]", "workload takes one option, not a list (several "
+     "workloads: workloads=[...]", EARLY),
+    (f"{S} cache=null", "cache=null: cache is a group of options: choose one (cache=NAME", EARLY),
+    ("demo model=tiny workload=gsm", "workload: specfit demo decodes its shipped prompts", EARLY),
     (f"{SPEC} selector.draft_time=foo", "selector.draft_time", EARLY),
     (f"{SPEC} selector.gate_max_backoff=0", "selector.gate_max_backoff", EARLY),
     (f"{SPEC} predictor.max_keys=0", "predictor.max_keys", EARLY),
@@ -544,7 +548,7 @@ def test_a_run_folder_that_cannot_be_created_names_hydra_run_dir(capsys, tmp_pat
 
 
 @pytest.mark.parametrize("overrides", [["prompt=hi", "workload='inline'"], ["prompt=hi", "workloads=[]"],
-                                       ["prompt=null", "workload=prose"], ["prompt_ids=[1]", "workloads=[inline, inline]"]])
+                                       ["prompt=null", "workload=prose"], ["prompt_ids=[1]", "workloads=[inline]"]])
 def test_a_prompt_beside_no_real_workload_is_accepted(overrides):
     """Hydra's parse decides (quotes, empty lists, null), not the raw text of the override."""
     from specfit.cli import _check_prompt_or_workload, _override_values

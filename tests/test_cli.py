@@ -285,6 +285,7 @@ def test_generate_says_when_the_context_limit_cut_the_output_short(tmp_path, cap
     main(["generate", "model=tiny", "prompt_ids=[1,2,3,4,5]", "max_new_tokens=4", "model.max_model_len=6",
           f"hydra.run.dir={tmp_path}"])
     out = capsys.readouterr().out
-    assert "stopped after 1 of max_new_tokens=4: the prompt (5 tokens) and output reached the context limit of 6" in out
+    assert ("stopped after 1 of max_new_tokens=4: the prompt (5 tokens) and output reached the context limit, "
+            "6 (model.max_model_len=6)") in out
     main(["generate", "model=tiny", "prompt_ids=[1,2,3]", "max_new_tokens=2", f"hydra.run.dir={tmp_path}/b"])
     assert "stopped after" not in capsys.readouterr().out  # max_new_tokens reached: nothing to say

@@ -114,3 +114,21 @@ def test_the_default_configs_note_nothing():
     for overrides in ([], ["cache.copy=emulated", "cache.link.bandwidth_gbps=10"], ["sampling.temperature=0.7",
                                                                                       "sampling.top_k=5"]):
         assert unused_setting_notes(specfit.compose(["model=tiny", *overrides])) == []
+
+
+def test_workload_keys_given_must_fit_the_workload_and_a_relabel_is_fine(tmp_path) -> None:
+    """Only keys given are judged: a workload relabelled (workload.name) or a config file's own keys
+    pass; workload.kind against the workload named beside it, and a key its kind does not read, fail."""
+    import specfit
+    from specfit.errors import ConfigError
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n')
+    specfit.compose(["model=tiny", "workload=jsonl", f"workload.path={prompts}", "workload.name=gsm"])
+    specfit.compose(["model=tiny", "workload=prose", "workload.name=jsonl"])
+    with pytest.raises(ConfigError, match="workload.kind=gsm contradicts workload=prose"):
+        specfit.compose(["model=tiny", "workload=prose", "workload.kind=gsm"])
+    with pytest.raises(ConfigError, match="workload.split=train does not apply to workload=prose"):
+        specfit.compose(["model=tiny", "workload=prose", "workload.split=train"])
+    with pytest.raises(ConfigError, match=r"^prefetch=null: prefetch is a group of options"):  # not the other null
+        specfit.compose(["model=tiny", "model.max_model_len=null", "prefetch=null"])

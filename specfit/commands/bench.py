@@ -327,8 +327,9 @@ def _check_num_prompts_applies(cfg: DictConfig, overrides: list[str]) -> None:
 
 def _check_workloads(cfg: DictConfig, overrides: list[str]) -> None:
     """Each name in ``workloads=[...]`` is a workload config, named as such (a typo there made every
-    method's preset look broken); and ``workload.kind`` beside the list, which applies to every
-    workload of it, must not contradict one's own kind (prose prompts would run labelled gsm)."""
+    method's preset look broken), and named once (rows are labelled by workload); ``workload.kind``
+    beside the list, which applies to every workload of it, must not contradict one's own kind (prose
+    prompts would run labelled gsm); and a ``workload.*`` key must be one some listed workload reads."""
     kind = next((o.split("=", 1)[1] for o in overrides if override_key(o) == "workload.kind" and "=" in o), None)
     twice = sorted({str(w) for w in cfg.workloads if list(cfg.workloads).count(w) > 1})
     if twice:

@@ -86,7 +86,7 @@ def run(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
         made, asked = out.stats["num_output_tokens"], engine.max_new_tokens
         if out.stats["finish_reason"] == "length" and made < asked:  # not max_new_tokens: the context is full
             print(f"stopped after {made} of max_new_tokens={asked}: the prompt ({out.stats['num_prompt_tokens']} "
-                  f"tokens) and output reached the context limit of {engine.max_model_len} (model.max_model_len)")
+                  f"tokens) and output reached the context limit, {engine.context_source()}")
         rows.append({"command": "generate", "prompt": prompt, "output_ids": out.token_ids, "text": out.text,
                      **out.stats, "config": config})
         append_jsonl(path, rows[-1:])

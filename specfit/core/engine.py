@@ -316,10 +316,15 @@ class Engine:
         """A prompt must leave room for at least one new token within the context limit."""
         limit = self.max_model_len
         if limit is not None and prompt_tokens >= limit:
-            native = _native_context(self.model.config)
-            source = "the model's max_position_embeddings" if limit == native else f"model.max_model_len={limit}"
-            raise ConfigError(f"the prompt has {prompt_tokens} tokens, but the context limit is {limit} ({source}): "
-                              f"no room for a new token; shorten the prompt")
+            raise ConfigError(f"the prompt has {prompt_tokens} tokens, but the context limit is "
+                              f"{self.context_source()}: no room for a new token; shorten the prompt")
+
+    def context_source(self) -> str:
+        """The context limit and where it comes from, e.g. ``8 (model.max_model_len=8)``."""
+        limit = self.max_model_len
+        native = _native_context(self.model.config)
+        source = "the model's max_position_embeddings" if limit == native else f"model.max_model_len={limit}"
+        return f"{limit} ({source})"
 
     def _context_room(self, sequence_tokens: int) -> int | None:
         """Tokens that may still be committed after ``sequence_tokens`` (prompt + output); None: no limit.
