@@ -240,8 +240,11 @@ def _check_group_choices(overrides: Sequence[str]) -> None:
                     "workload": " (several workloads: workloads=[...], in specfit bench)"}.get(key, "")
             raise ConfigError(f"{override}: {key} takes one option, not a list{hint}")
         if value == "null":
-            drop = f" or drop the group with ~{key}" if key in _REMOVABLE_GROUPS else \
-                " (prefetch=none turns prefetch off)" if key == "prefetch" else ""
+            drop = ""
+            if key in _REMOVABLE_GROUPS:
+                drop = f" or drop the group with ~{key}"
+            elif key == "prefetch":
+                drop = " (prefetch=none turns prefetch off)"
             raise ConfigError(f"{override}: {key} is a group of options: choose one ({key}=NAME; `specfit plugins` "
                               f"lists them){drop}")
 
@@ -300,9 +303,6 @@ def _unselected_group(exc: BaseException, overrides: Sequence[str], config_name:
     return None
 
 
-# --------------------------------------------------------------------------- checks after composition
-
-
 def _naming_unparsed(message: str, exc: BaseException, overrides: Sequence[str]) -> str:
     """A parse error that does not say which override it is about ("mismatched input '='") names it."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -322,6 +322,9 @@ def _naming_unparsed(message: str, exc: BaseException, overrides: Sequence[str])
                 return f"cannot parse {override!r}: {reason}{hint}"
             return message
     return message
+
+
+# --------------------------------------------------------------------------- checks after composition
 
 
 def check_config(cfg: DictConfig, relations: bool = True) -> None:
@@ -447,8 +450,6 @@ WORKLOAD_KEY_KINDS = {
 
 
 def _check_workload(workload: DictConfig) -> None:
-    from pathlib import Path
-
     from specfit.validation import choice, integer, optional_integer
     from specfit.workloads import KINDS
 
