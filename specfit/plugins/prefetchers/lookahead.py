@@ -124,10 +124,11 @@ def check_lookahead_settings(source: str, per_layer: int | None, picks: int | No
         raise ConfigError(f"prefetch.source={source!r} must be one of {', '.join(SOURCES)}")
     for key, value, least in (("per_layer", per_layer, 1), ("picks", picks, 1), ("keep", keep, 0),
                               ("token_table", token_table, 0)):
-        if (value is None and key == "token_table") or value is not None and (
-                isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least):
-            nullable = "" if key == "token_table" else " (or null)"
-            raise ConfigError(f"prefetch.{key}={value!r} must be an integer >= {least}{nullable}")
+        nullable = key != "token_table"  # null: the default that key documents
+        if value is None and nullable:
+            continue
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+            raise ConfigError(f"prefetch.{key}={value!r} must be an integer >= {least}{' (or null)' if nullable else ''}")
 
 
 class LookaheadPrefetcher(PrefetcherBase):
