@@ -159,6 +159,9 @@ class LookaheadPrefetcher(PrefetcherBase):
                                   "per layer")
         self.k = self.picks or spec.top_k
         self.kept = min(spec.top_k if self.keep is None else self.keep, spec.num_experts - self.k)
+        # the token table's tie-break by the router's rank (first to last of k + kept), worth less than one count
+        width = self.k + self.kept
+        self._tiebreak = (width - torch.arange(width, dtype=torch.float32)) * (0.5 / width)
         layers, routers = moe_routers(model, spec, "prefetch=lookahead")
         fitted = self.source == "fitted" and len(routers) > 1  # one MoE layer: no layer before it, own
         own_layers = layers[:1] if fitted else layers if self.source in ("own", "both", "fitted") else []
@@ -248,10 +251,10 @@ class LookaheadPrefetcher(PrefetcherBase):
             return ranked
         # counts are whole numbers: the router's ranking, worth less than one count, breaks their ties,
         # so a token seen with fewer experts than asked for gets the router's next picks, not arbitrary ones
-        width, router_order = ranked.shape[1], ranked.cpu()
-        tiebreak = (width - torch.arange(width, dtype=counted.dtype)) * (0.5 / width)
+        router_order = ranked.cpu()
+        tiebreak = self._tiebreak[: router_order.shape[1]]  # the whole k + kept in a pass (a test may ask fewer)
         counted = counted.scatter_add(1, router_order, tiebreak.expand(router_order.shape).contiguous())
-        by_table = torch.topk(counted, width, dim=-1).indices
+        by_table = torch.topk(counted, ranked.shape[1], dim=-1).indices
         if len(ids) == 1:
             self._judged[layer] = (by_table[0, :self.k].tolist(), ranked[0, :self.k].tolist())
         return by_table if self.table.preferred(layer) else ranked
