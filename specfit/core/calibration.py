@@ -37,7 +37,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from specfit.core.copy_engines import waits_measured
-from specfit.core.stats import CycleRecord, visible_copy_seconds, waited_copy_seconds  # noqa: F401 - also their old home
+from specfit.core.stats import CycleRecord, visible_copy_seconds, waited_copy_seconds
 from specfit.errors import ConfigError
 from specfit.files import read_json_object
 from specfit.progress import progress

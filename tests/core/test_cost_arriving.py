@@ -181,7 +181,8 @@ def test_without_prefetch_a_measured_wait_keeps_hidden_copies_out_of_the_compute
     """Pipelined rounds hide a quarter of each cycle's copies without any prefetch. Where the host
     measured the waits (stall_measured: an emulated link) the compute constants come out exact and
     c_copy stays the copies' own time; read as before, hidden copies passed for faster compute."""
-    from specfit.core.calibration import fit_constants, waited_copy_seconds
+    from specfit.core.calibration import fit_constants
+    from specfit.core.stats import waited_copy_seconds
 
     records = cycles(0.75, np.random.default_rng(5))  # the pass waited 3/4 of its copies
     for r in records:
@@ -204,7 +205,8 @@ def test_records_say_their_copies_overlapped_and_the_online_refit_and_sink_read_
     from conftest import tiny_model
 
     from specfit import Engine
-    from specfit.core.calibration import fit_constants, visible_copy_seconds
+    from specfit.core.calibration import fit_constants
+    from specfit.core.stats import visible_copy_seconds
     from specfit.plugins.caches.lru import LRUCache
     from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher
     from specfit.plugins.selectors.none import NoDraftSelector
