@@ -8,6 +8,7 @@ or a wrong type fails at composition. ``model`` and ``workload`` are plain group
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,10 +227,16 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictC
 _REMOVABLE_GROUPS = ("cost_model", "predictor", "acceptance")
 
 
+@functools.cache
+def _config_groups() -> frozenset[str]:
+    """The config groups: the plug-in kinds and the folders of the packaged conf/ tree."""
+    return frozenset({*PLUGIN_BASES, *(d.name for d in (Path(__file__).parent / "conf").iterdir() if d.is_dir())})
+
+
 def _check_group_choices(overrides: Sequence[str]) -> None:
     """A config group takes one option: a list (``prefetch=[lookahead,draft]``; Hydra merges options
     of one config class silently, so ``workload=[prose,gsm]`` ran gsm alone) or null is one line."""
-    groups = {*PLUGIN_BASES, *(d.name for d in (Path(__file__).parent / "conf").iterdir() if d.is_dir())}
+    groups = _config_groups()
     for override in overrides:
         key, eq, value = override.partition("=")
         if not eq or key.startswith(("+", "~")) or key not in groups:
