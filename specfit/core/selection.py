@@ -120,6 +120,9 @@ class DraftGate:
         self.skip_left = int(min(values["skip_left"], self.max_backoff))
 
 
+STOP_RULES = ("method", "projected")
+
+
 @dataclass
 class CostAwareSelectorConfig(SelectorConfig):
     """Settings shared by the cost-aware selectors (specfit, greedy, prefix)."""
@@ -128,6 +131,11 @@ class CostAwareSelectorConfig(SelectorConfig):
     # (with that estimator's default settings); prefer acceptance=NAME, whose settings are acceptance.*
     acceptance: str = "path_prob"
     early_stop: bool = True  # the draft-stop rule; false drafts every level and selects at the end
+    # which stop rule (docs/method.md 3.7): method: stop when the last level's net gain in rho is no
+    # more than one more level would take away; projected: when the gain the next level is projected
+    # to bring (the last level's gross gain, scaled by how its expected tokens compare with the
+    # level before's) is no more than that
+    stop_rule: str = "method"
     # D in T(S): the time the cycle has spent (measured) or the cost model's c_draft0 + c_level * depth
     # (modelled: decisions then depend on no clock, so a replay of a trace reproduces them exactly)
     draft_time: str = "measured"
@@ -146,10 +154,14 @@ class CostAwareSelector(SelectorBase):
     requires = ("cost_model", "predictor")  # the engine checks these are configured
 
     def __init__(self, acceptance: str = "path_prob", early_stop: bool = True, draft_time: str = "measured",
-                 draft_gate: bool = True, gate_max_backoff: int = 256, gate_probe_budget: float = 0.01) -> None:
+                 draft_gate: bool = True, gate_max_backoff: int = 256, gate_probe_budget: float = 0.01,
+                 stop_rule: str = "method") -> None:
         if draft_time not in ("measured", "modelled"):
             raise ConfigError(f"selector.draft_time={draft_time!r} must be measured or modelled")
+        if stop_rule not in STOP_RULES:
+            raise ConfigError(f"selector.stop_rule={stop_rule!r} must be one of {', '.join(STOP_RULES)}")
         self.acceptance, self.early_stop, self.draft_time = acceptance, early_stop, draft_time
+        self.stop_rule = stop_rule
         self.estimator = estimator_named(acceptance, key="selector.acceptance")
         self.acceptance_score = AcceptanceScore(estimator=self.estimator.name)
         gate = DraftGate(gate_max_backoff, probe_budget=gate_probe_budget)  # checks the settings either way
@@ -158,6 +170,8 @@ class CostAwareSelector(SelectorBase):
         self.keeper: Any = None  # set by specfit.core.setup_state: saves what the gate and estimator learned
         self._estimates: np.ndarray | None = None  # the last selection's a_v, scored once the outcome is known
         self._previous_value = self._plain_seconds = 0.0
+        self._previous_mask = np.zeros(0, dtype=bool)  # the last level's selection (stop_rule=projected)
+        self._previous_added = 1.0  # the expected tokens the last level's selection added
         self.rate_tracker = RateTracker()  # the decode's throughput so far: lambda of objective=rate
         self._last: tuple[float, float] | None = None  # (T(S*), C(root only) without drafting) of the last selection
 
@@ -224,14 +238,32 @@ class CostAwareSelector(SelectorBase):
             self._plain_seconds = root_only - problem.draft_time
         stop = depth >= ctx.max_depth
         current = value(n_expected, seconds)
+        if depth == 1:
+            self._previous_mask, self._previous_added = np.zeros(0, dtype=bool), 1.0  # the root's own token
         if self.early_stop and not stop:
             uses_newest = bool(mask[list(tree.level(depth))].any())
             loss_of_one_more_level = current - value(n_expected, seconds + cost_model.constants.c_level)
-            stop = not uses_newest or (current - self._previous_value) <= loss_of_one_more_level
-        self._previous_value = current
+            gain = (current - self._previous_value if self.stop_rule == "method"
+                    else self._projected_gain(problem, mask, value, n_expected, current))
+            stop = not uses_newest or gain <= loss_of_one_more_level
+        self._previous_value, self._previous_mask = current, mask
         self._last = (seconds, self._plain_seconds)
         return Selection(nodes=np.flatnonzero(mask).tolist(), stop=stop,
                          predicted={"rho": rho, "expected_tokens": n_expected, "seconds": seconds})
+
+    def _projected_gain(self, problem: SearchProblem, mask: np.ndarray, value: Any, n_expected: float,
+                        current: float) -> float:
+        """What the next level is projected to add to the objective before its own time: this level's
+        gross gain (over keeping the last level's selection, at the draft time spent now) times the
+        ratio of the expected tokens this level added to those the level before added (1 for the
+        root's own token), at most 1: acceptance only falls with depth."""
+        stay = np.zeros(len(mask), dtype=bool)
+        stay[: len(self._previous_mask)] = self._previous_mask
+        n_stay, t_stay, _ = evaluate(problem, stay)
+        added = max(n_expected - n_stay, 0.0)
+        trend = min(added / self._previous_added, 1.0) if self._previous_added > 0.0 else 0.0
+        self._previous_added = added
+        return trend * max(current - value(n_stay, t_stay), 0.0)
 
     def should_draft(self) -> bool:
         """Asked by the decode loop before a cycle drafts; False: verify the root alone."""

@@ -733,3 +733,47 @@ def test_a_head_retrained_in_place_is_another_setup(tmp_path):
     assert first == head_weights_digest(str(head))
     (head / "model.safetensors").write_bytes(bytes(reversed(range(256))) * 4096)  # same size, retrained
     assert head_weights_digest(str(head)) not in (None, first)
+
+
+class _ChainCosts:
+    """A cost model for one layer with no experts: a cycle costs c0 plus the draft time spent."""
+
+    constants = CostConstants(c0=6e-3, c_tok=0.0, c_miss=0.0, c_hit=0.0, c_level=3e-3)
+
+    def problem(self, tree, accept, resident, spent):
+        from specfit.core.search import SearchProblem
+
+        n = len(tree)
+        return SearchProblem(parents=np.asarray(tree.parents), accept=accept, node_experts=-np.ones((n, 1, 1)),
+                             root_experts=-np.ones((1, 1)), resident=np.zeros((1, 1), dtype=bool),
+                             c0=self.constants.c0, c_tok=0.0, c_miss=0.0, c_hit=0.0, draft_time=spent)
+
+
+def _levels_drafted(selector, accept_of_depth, max_depth=6) -> int:
+    """Draft a chain level by level (3 ms a level, modelled) until ``selector`` stops; its levels."""
+    from specfit.core.tree import DraftTree
+    from specfit.interfaces import SelectionContext
+
+    tree = DraftTree(root_token=0)
+    selector.accept_estimates = lambda t: np.array([accept_of_depth(d) for d in t.depths], dtype=float)
+    ctx = SelectionContext(resident=np.zeros((1, 1), dtype=bool), draft_seconds=0.0, max_depth=max_depth,
+                           max_nodes=64, cost_model=_ChainCosts())
+    for depth in range(1, max_depth + 1):
+        tree.add_level([-1 if depth == 1 else len(tree) - 1], [depth], [0.0])
+        if selector.select(tree, ctx).stop:
+            return depth
+    return max_depth
+
+
+def test_projected_stop_rule_drafts_on_while_levels_keep_paying_and_the_method_rule_stops_early():
+    """Every drafted token accepted (a_v = 1), a level costs half a pass: each level raises N / T
+    (2/12, 3/15, 4/18 ... tokens per ms), but by less than the level before, so the method's rule
+    (net gain against one more level's cost) stops at level 2 while the projected one drafts on."""
+    sure = lambda depth: 1.0  # noqa: E731
+    assert _levels_drafted(SpecFitSelector(draft_time="modelled"), sure) == 2
+    assert _levels_drafted(SpecFitSelector(draft_time="modelled", stop_rule="projected"), sure) == 6
+    # acceptance halving at each level: the projected gain falls with it, and drafting stops
+    halving = lambda depth: 0.5 ** depth  # noqa: E731
+    assert _levels_drafted(SpecFitSelector(draft_time="modelled", stop_rule="projected"), halving) <= 2
+    with pytest.raises(ConfigError, match="selector.stop_rule='ahead' must be one of method, projected"):
+        SpecFitSelector(stop_rule="ahead")
