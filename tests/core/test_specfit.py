@@ -777,3 +777,10 @@ def test_projected_stop_rule_drafts_on_while_levels_keep_paying_and_the_method_r
     assert _levels_drafted(SpecFitSelector(draft_time="modelled", stop_rule="projected"), halving) <= 2
     with pytest.raises(ConfigError, match="selector.stop_rule='ahead' must be one of method, projected"):
         SpecFitSelector(stop_rule="ahead")
+
+
+def test_projected_stop_rule_keeps_greedy_output_identical():
+    cheap = CostConstants(c0=2e-3, c_tok=1e-6, c_miss=1e-6, c_hit=1e-7, c_level=1e-4)
+    out = _specfit_engine(cheap, draft_time="modelled", stop_rule="projected").generate(PROMPT, max_new_tokens=16)
+    assert out.token_ids == reference()[len(PROMPT):][:16]
+    assert max(c.levels for c in out.cycles) > 1  # it drafted, so the rule was asked
