@@ -371,15 +371,16 @@ def _check_command_keys(command: str, values: dict[str, Any]) -> None:
     unread, why = _UNREAD_GROUPS.get(command, ((), ""))
     untaken, untaken_why = _UNTAKEN_KEYS.get(command, ((), ""))
     for key in values:
-        if key.lstrip("+~") in untaken:
-            raise ConfigError(f"{key.lstrip('+~')}: specfit {command} {untaken_why.format(key=key.lstrip('+~'))}")
-        group = key.lstrip("+~").split(".", 1)[0]
+        name = key.lstrip("+~")
+        if name in untaken:
+            raise ConfigError(f"{name}: specfit {command} {untaken_why.format(key=name)}")
+        group = name.split(".", 1)[0]
         if group in unread:
-            raise ConfigError(f"{key.lstrip('+~')}: specfit {command} {why.format(key=key.lstrip('+~'))}")
+            raise ConfigError(f"{name}: specfit {command} {why.format(key=name)}")
         readers = _COMMAND_GROUPS.get(group)
         if readers and command not in readers:
             by = " and ".join(f"specfit {r}" for r in readers)
-            raise ConfigError(f"{key.lstrip('+~')}: only {by} read{'s' if len(readers) == 1 else ''} it; "
+            raise ConfigError(f"{name}: only {by} read{'s' if len(readers) == 1 else ''} it; "
                               f"specfit {command} would ignore it")
 
 
