@@ -265,7 +265,7 @@ def _check_workload_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None
 
     if OmegaConf.get_type(cfg) is not SpecfitConfig or cfg.workloads:
         return
-    given = {override_key(o): o for o in overrides if "=" in o and not o.startswith("~")}
+    given = given_overrides(overrides)
     workload = cfg.workload
     chosen = given.get("workload", "").partition("=")[2]
     preset = Path(__file__).parent / "conf" / "workload" / f"{chosen}.yaml"
@@ -275,10 +275,26 @@ def _check_workload_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None
                           f"workload.kind, or name a workload of kind {workload.kind}")
     if workload.kind == "inline":  # a prompt beside workload keys is its own error (cli)
         return
-    for key, kinds in WORKLOAD_KEY_KINDS.items():
-        if f"workload.{key}" in given and workload.kind not in kinds:
-            raise ConfigError(f"{given[f'workload.{key}']} does not apply to workload={workload.name} (kind "
-                              f"{workload.kind}): only kind={' or '.join(kinds)} reads it")
+    unread = unread_workload_key(given, [workload.kind])
+    if unread is not None:
+        override, readers = unread
+        raise ConfigError(f"{override} does not apply to workload={workload.name} (kind {workload.kind}): only "
+                          f"kind={' or '.join(readers)} reads it")
+
+
+def given_overrides(overrides: Sequence[str]) -> dict[str, str]:
+    """Each key given a value, with its override (the last, which applies, for a key given twice)."""
+    return {override_key(o): o for o in overrides if "=" in o and not o.startswith("~")}
+
+
+def unread_workload_key(given: Mapping[str, str], kinds: Sequence[str]) -> tuple[str, tuple[str, ...]] | None:
+    """The first ``workload.*`` override of ``given`` (from :func:`given_overrides`) that no workload of
+    ``kinds`` reads, with the kinds that do; None when each is read."""
+    for key, readers in WORKLOAD_KEY_KINDS.items():
+        override = given.get(f"workload.{key}")
+        if override is not None and not set(kinds) & set(readers):
+            return override, readers
+    return None
 
 
 def _unselected_group(exc: BaseException, overrides: Sequence[str], config_name: str) -> str | None:

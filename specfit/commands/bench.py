@@ -31,7 +31,8 @@ from omegaconf import DictConfig
 from specfit.api import build, load_shared_target, model_settings
 from specfit.core.loading import LoadedModel
 from specfit.commands.generate import describe_prompts, prompts_of
-from specfit.config import TAKES_ALL_PROMPTS, WORKLOAD_KEY_KINDS, compose, num_prompts_unused, override_key
+from specfit.config import (TAKES_ALL_PROMPTS, compose, given_overrides, num_prompts_unused, override_key,
+                            unread_workload_key)
 from specfit.errors import ConfigError
 from specfit.files import check_results_file, check_writable, read_jsonl, write_atomic
 from specfit.progress import progress
@@ -345,11 +346,11 @@ def _check_workloads(cfg: DictConfig, overrides: list[str]) -> None:
             raise ConfigError(f"workload.kind={kind} contradicts workloads={list(cfg.workloads)}: workload {w} is "
                               f"kind {own}; drop workload.kind (each workload of the list has its own kind)")
         kinds.append(own)
-    for key, readers in WORKLOAD_KEY_KINDS.items():  # a key none of the list's workloads reads
-        given = next((o for o in overrides if override_key(o) == f"workload.{key}"), None)
-        if kinds and given is not None and not set(kinds) & set(readers):
-            raise ConfigError(f"{given} does not apply to workloads={list(cfg.workloads)}: only kind="
-                              f"{' or '.join(readers)} reads it")
+    unread = unread_workload_key(given_overrides(overrides), kinds) if kinds else None  # read by none of the list
+    if unread is not None:
+        override, readers = unread
+        raise ConfigError(f"{override} does not apply to workloads={list(cfg.workloads)}: only kind="
+                          f"{' or '.join(readers)} reads it")
 
 
 @dataclass
