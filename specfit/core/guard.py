@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from numbers import Real
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -96,6 +96,17 @@ def check_selection(selector: Any, tree: Any, selection: Any) -> Any:
     return selection
 
 
+def check_among_likeliest(selector: Any, selection: Any, likeliest: Sequence[int], max_nodes: int) -> None:
+    """A selector that says it chooses among the tree's ``max_nodes`` likeliest nodes
+    (``chooses_among_likeliest``) did: experts were predicted for those alone."""
+    outside = set(map(int, selection.nodes)) - set(likeliest)
+    if outside:
+        raise violation("selector", selector, "select",
+                        f"chose node {min(outside)}, which is not among the tree's {max_nodes} likeliest by path "
+                        "probability, yet the selector says chooses_among_likeliest=True (experts are predicted "
+                        "for those alone): set it False, or choose among tree.top_by_path_prob(ctx.max_nodes)")
+
+
 # --------------------------------------------------------------------------- drafters
 
 
@@ -172,8 +183,9 @@ def check_level(drafter: Any, tree: Any, level: Any, depth: int, vocab: int) -> 
 # --------------------------------------------------------------------------- predictors
 
 
-def check_predicted_experts(predictor: Any, tree: Any, nodes: range, layers: int, top_k: int, experts: int) -> None:
-    """After ``predict(tree, nodes)``: ``tree.experts`` ([>= nodes, layers, top_k]) and
+def check_predicted_experts(predictor: Any, tree: Any, nodes: Sequence[int], layers: int, top_k: int,
+                            experts: int) -> None:
+    """After ``predict(tree, nodes)``: ``tree.experts`` ([>= len(tree), layers, top_k]) and
     ``tree.root_experts`` ([layers, top_k]), where set, are integer arrays whose rows for ``nodes``
     and the root hold expert ids in ``-1..experts-1`` (earlier rows were checked when filled); the
     optional ``tree.expert_probs`` ([>= nodes, layers, experts]) and ``tree.root_expert_probs``
@@ -191,7 +203,7 @@ def check_predicted_experts(predictor: Any, tree: Any, nodes: range, layers: int
             got = f"{arr.dtype} array of shape {arr.shape}" if isinstance(arr, np.ndarray) else type(arr).__name__
             want = f"[{layers}, {width}]" if rows is None else f"[>= {rows}, {layers}, {width}]"
             raise violation("predictor", predictor, "predict", f"{field} must be {what} array {want}, got {got}")
-        used = arr if rows is None else arr[nodes.start : nodes.stop]
+        used = arr if rows is None else arr[np.asarray(nodes, dtype=np.int64)]
         if not used.size:
             continue
         if ids and (int(used.min()) < -1 or int(used.max()) >= experts):

@@ -152,6 +152,7 @@ class CostAwareSelector(SelectorBase):
 
     name = "cost_aware"
     requires = ("cost_model", "predictor")  # the engine checks these are configured
+    chooses_among_likeliest = True  # ``choose`` gets allowed = the ctx.max_nodes likeliest
 
     def __init__(self, acceptance: str = "path_prob", early_stop: bool = True, draft_time: str = "measured",
                  draft_gate: bool = True, gate_max_backoff: int = 256, gate_probe_budget: float = 0.01,

@@ -213,12 +213,19 @@ class DraftTree:
         return subtree_problem(self, nodes) is None
 
     def top_by_path_prob(self, k: int) -> list[int]:
-        """The ``k`` nodes with the highest path probability (ties to the earlier node).
+        """The ``k`` nodes with the highest path probability (ties to the earlier node), ascending.
 
         Ancestor-closed whenever path probabilities never rise with depth, which holds for a
-        draft model's log-probabilities (each is <= 0)."""
-        order = sorted(range(len(self)), key=lambda i: (-self.path_log_probs[i], i))
-        return sorted(order[:k])
+        draft model's log-probabilities (each is <= 0). A node left out stays out as the tree
+        grows: a new node ranks after every node at least as likely, so the nodes ahead of one
+        only grow in number."""
+        if k <= 0 or not self.tokens:
+            return []
+        if k >= len(self.tokens):
+            return list(range(len(self.tokens)))
+        path = np.asarray(self.path_log_probs, dtype=np.float64)
+        order = np.lexsort((np.arange(len(path)), -path))  # by path probability, then index
+        return np.sort(order[:k]).tolist()
 
 
 @dataclass(frozen=True)

@@ -50,12 +50,13 @@ class DrafterBase(ABC):
 
 
 class SelectorBase(ABC):
-    """Required: ``select(tree, ctx)``. Defaults: needs no other part (``requires = ()``), ``bind``
-    does nothing, ``should_draft()`` is always True, ``observe`` and ``observe_time`` ignore what
-    they are told."""
+    """Required: ``select(tree, ctx)``. Defaults: needs no other part (``requires = ()``), may
+    choose any drafted node (``chooses_among_likeliest = False``), ``bind`` does nothing,
+    ``should_draft()`` is always True, ``observe`` and ``observe_time`` ignore what they are told."""
 
     name: ClassVar[str]
     requires: ClassVar[Sequence[str]] = ()
+    chooses_among_likeliest: ClassVar[bool] = False
 
     def bind(self, spec: MoESpec) -> None:
         pass
@@ -153,7 +154,7 @@ class ExpertPredictorBase(ABC):
         pass
 
     @abstractmethod
-    def predict(self, tree: DraftTree, nodes: range) -> None:
+    def predict(self, tree: DraftTree, nodes: Sequence[int]) -> None:
         ...
 
     def observe(self, tokens: Sequence[int], routing: np.ndarray) -> None:

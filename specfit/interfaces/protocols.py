@@ -158,14 +158,17 @@ class Selection:
 class Selector(Protocol):
     """Chooses the subtree to verify; ``select`` is called after every draft level.
 
-    Optional (defaults in ``SelectorBase``): ``requires`` (none), ``bind``, ``should_draft``
-    (always), ``observe``, ``observe_time``.
+    Optional (defaults in ``SelectorBase``): ``requires`` (none), ``chooses_among_likeliest``
+    (False), ``bind``, ``should_draft`` (always), ``observe``, ``observe_time``.
     """
 
     name: ClassVar[str]
     # the other parts this selector needs configured, among "cost_model" and "predictor"; the engine
     # and the replay refuse to run without them
     requires: ClassVar[Sequence[str]]
+    # True: it only ever chooses among the tree's ctx.max_nodes likeliest nodes by path probability
+    # (tree.top_by_path_prob), so experts are predicted for those alone (checked after each select)
+    chooses_among_likeliest: ClassVar[bool]
 
     def bind(self, spec: MoESpec) -> None:
         """Prepare for a model (``spec``: layers, experts, top-k)."""
@@ -277,8 +280,11 @@ class ExpertPredictor(Protocol):
     def bind(self, target: Any) -> None:
         """Attach to the target (:class:`specfit.core.target.Target`; ``target.runtime.spec``)."""
 
-    def predict(self, tree: DraftTree, nodes: range) -> None:
-        """Fill ``tree.experts`` for ``nodes`` (``tree.expert_rows(layers, top_k)`` resizes it) and,
+    def predict(self, tree: DraftTree, nodes: Sequence[int]) -> None:
+        """Fill ``tree.experts`` for ``nodes``, node ids of the newest level in ascending order: all of
+        them, or where the selector chooses among the tree's likeliest nodes
+        (``chooses_among_likeliest``) those among them, possibly none
+        (``tree.expert_rows(layers, top_k)`` grows it to every node, new rows -1) and,
         on the first call of a cycle, ``tree.root_experts``. Optionally also how likely each expert
         is, ``tree.expert_probs`` (``tree.expert_prob_rows(layers, experts)``) and
         ``tree.root_expert_probs``: the draft prefetcher then weighs each copy by it."""

@@ -48,6 +48,8 @@ class BadSelector(TopByPathProbSelector):
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
+        if mode == "likeliest_not_bool":
+            self.chooses_among_likeliest = "yes"
 
     def bind(self, spec):
         if self.mode == "bind_raises":
@@ -74,6 +76,8 @@ class BadSelector(TopByPathProbSelector):
                 return Selection(nodes=[float(v) for v in nodes])
             case "stop_not_bool":
                 return Selection(nodes=nodes, stop="yes")
+            case "outside_likeliest":  # every node, more than ctx.max_nodes, though it says it keeps to them
+                return Selection(nodes=list(range(n)))
             case "not_a_selection":
                 return nodes
             case "nodes_none":
@@ -156,7 +160,7 @@ class BadPredictor(HistoryPredictor):
         super().predict(tree, nodes)
         match self.mode:
             case "expert_too_large":
-                tree.experts[nodes.start, 1, 0] = EXPERTS
+                tree.experts[nodes[0], 1, 0] = EXPERTS
             case "root_expert_negative":
                 tree.root_experts = tree.root_experts.copy()
                 tree.root_experts[0, 0] = -5
@@ -165,7 +169,7 @@ class BadPredictor(HistoryPredictor):
             case "float_experts":
                 tree.experts = tree.experts.astype(np.float32)
             case "probability_above_one":
-                tree.expert_probs[nodes.start, 0, 0] = 1.5
+                tree.expert_probs[nodes[0], 0, 0] = 1.5
             case "probs_wrong_shape":
                 tree.root_expert_probs = np.zeros((LAYERS, TOP_K), dtype=np.float32)
 
@@ -235,6 +239,10 @@ def sel(mode):
     return dict(selector=BadSelector(mode), drafter=ScriptedDrafter(PROMPT, vocab=VOCAB, branching=2, depth=3))
 
 
+def few(mode):  # the drafter lets the selector choose 3 of its 14 nodes
+    return dict(selector=BadSelector(mode), drafter=ScriptedDrafter(PROMPT, vocab=VOCAB, branching=2, depth=3, total_tokens=3))
+
+
 def draft(mode):
     return dict(drafter=BadDrafter(mode))
 
@@ -254,6 +262,10 @@ def cost(mode):
 # (plug-in kwargs, kind, name, hook, message fragment, chained exception type or None for a bad value)
 CASES = {
     "selector_negative_id": (sel("negative"), "selector", "badsel", "select", "node id -3 is out of range (tree has", None),
+    "selector_outside_likeliest": (few("outside_likeliest"), "selector", "badsel", "select",
+                                   "which is not among the tree's 3 likeliest by path probability", None),
+    "selector_likeliest_not_bool": (few("likeliest_not_bool"), "selector", "badsel", "chooses_among_likeliest",
+                                    "the attribute must be a bool, got str", None),
     "selector_negative_id_hidden": (sel("negative_with_parents"), "selector", "badsel", "select", "node id -1 is out of range", None),
     "selector_id_too_large": (sel("too_large"), "selector", "badsel", "select", "is out of range (tree has", None),
     "selector_not_closed": (sel("not_closed"), "selector", "badsel", "select", "not closed under ancestors", None),

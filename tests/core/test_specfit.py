@@ -56,6 +56,31 @@ def test_cost_aware_selectors_are_lossless(cache, predictor, acceptance, selecto
     assert all("rho" in c.predicted for c in out.cycles if c.drafted)
 
 
+class RecordingPredictor(HistoryPredictor):
+    """History, noting which nodes of each level it was asked for and the tree's likeliest then."""
+
+    def __init__(self, max_nodes: int) -> None:
+        super().__init__()
+        self.max_nodes, self.asked = max_nodes, []
+
+    def predict(self, tree, nodes):
+        level = tree.level(tree.depth)
+        self.asked.append((list(nodes), [v for v in tree.top_by_path_prob(self.max_nodes) if v in level], len(level)))
+        super().predict(tree, nodes)
+
+
+def test_experts_are_predicted_only_for_nodes_the_selector_may_choose():
+    ref = reference()
+    drafter = ScriptedDrafter(ref, vocab=256, branching=3, depth=4, miss=0.1, total_tokens=6)
+    predictor = RecordingPredictor(max_nodes=6)
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=4), drafter=drafter, selector=SpecFitSelector(draft_gate=False),
+                    cost_model=UnionCostModel(constants=CONSTANTS), predictor=predictor, device="cpu")
+    out = engine.generate(PROMPT, max_new_tokens=30)
+    assert out.token_ids == ref[len(PROMPT):][:30]
+    assert predictor.asked and all(nodes == likeliest for nodes, likeliest, _ in predictor.asked)
+    assert any(len(nodes) < size for nodes, _, size in predictor.asked)  # some levels' nodes were skipped
+
+
 def test_cheap_misses_verify_more_than_expensive_ones():
     ref = reference()
 

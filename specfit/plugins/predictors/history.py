@@ -169,7 +169,7 @@ class HistoryPredictor(ExpertPredictorBase):
         probs[n, layers, picks] += 0.5
         return np.minimum(probs, 1.0)
 
-    def predict(self, tree: DraftTree, nodes: range) -> None:
+    def predict(self, tree: DraftTree, nodes: Sequence[int]) -> None:
         self.flush()
         rows = tree.expert_rows(self.layers, self.k)
         probs = tree.expert_prob_rows(self.layers, self.experts)

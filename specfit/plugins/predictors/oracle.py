@@ -8,7 +8,7 @@ being replayed; a live target has none, so it refuses to bind there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 
 from specfit.errors import ConfigError
@@ -32,9 +32,9 @@ class OraclePredictor(ExpertPredictorBase):
         spec = target.runtime.spec
         self.layers, self.k = spec.num_layers, spec.top_k
 
-    def predict(self, tree: DraftTree, nodes: range) -> None:
+    def predict(self, tree: DraftTree, nodes: Sequence[int]) -> None:
         rows = tree.expert_rows(self.layers, self.k)
         if tree.root_experts is None:
             tree.root_experts = self.routing.root()
         if len(nodes):
-            rows[nodes.start : nodes.stop] = self.routing.nodes(nodes)
+            rows[list(nodes)] = self.routing.nodes(nodes)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 
 from specfit.core.router_probe import RouterProbe
@@ -25,7 +25,7 @@ class RouterProbePredictor(ExpertPredictorBase):
         self.layers, self.k = spec.num_layers, spec.top_k
         self.probe = RouterProbe(target.model, spec)
 
-    def predict(self, tree: DraftTree, nodes: range) -> None:
+    def predict(self, tree: DraftTree, nodes: Sequence[int]) -> None:
         rows = tree.expert_rows(self.layers, self.k)
         if tree.root_experts is None:
             tree.root_experts = self.probe.experts([tree.root_token])[0]

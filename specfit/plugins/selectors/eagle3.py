@@ -18,6 +18,7 @@ class TopByPathProbSelector(SelectorBase):
 
     name = "eagle3"
     Config = TopByPathProbSelectorConfig
+    chooses_among_likeliest = True
 
     def select(self, tree: DraftTree, ctx: SelectionContext) -> Selection:
         return Selection(nodes=tree.top_by_path_prob(ctx.max_nodes))
