@@ -126,11 +126,13 @@ class DraftPrefetcher(PrefetcherBase):
         layer_s = sink.layer_seconds(len(predicted) + 1)
         queued = sink.link_free_in()
         lead = self._level_seconds  # the drafting still to come, if the selector goes on
+        eligible = (benefit >= self.min_benefit) & (benefit > 0)
         plan, issued = [], 0
-        for layer in range(benefit.shape[0]):
-            order = np.lexsort((-weight[layer], -benefit[layer]))  # likeliest, then used by most nodes
-            take = [int(e) for e in order if benefit[layer, e] >= self.min_benefit and benefit[layer, e] > 0]
-            take = take[: max(int(room_in_cache[layer]), 0)]
+        # only layers with an expert worth copying and room for it (a layer left out takes nothing)
+        for layer in np.flatnonzero(eligible.any(axis=1) & (room_in_cache > 0)).tolist():
+            candidates = np.flatnonzero(eligible[layer])
+            order = np.lexsort((-weight[layer, candidates], -benefit[layer, candidates]))  # likeliest, then used by most nodes
+            take = candidates[order[: int(room_in_cache[layer])]].tolist()
             if self.max_per_layer is not None:
                 take = take[: self.max_per_layer]
             if expert_s > 0:  # what lands before this layer of the pass runs
