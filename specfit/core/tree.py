@@ -116,8 +116,10 @@ class DraftTree:
         if self.expert_probs is None or self.expert_probs.shape[1:] != (layers, experts):
             self.expert_probs = np.full((n, layers, experts), np.nan, dtype=np.float32)
         elif self.expert_probs.shape[0] < n:  # grown by doubling: a level's copy of every row costs
-            grown = np.full((max(n, 2 * self.expert_probs.shape[0]), layers, experts), np.nan, dtype=np.float32)
-            grown[: self.expert_probs.shape[0]] = self.expert_probs
+            old = self.expert_probs.shape[0]
+            grown = np.empty((max(n, 2 * old), layers, experts), dtype=np.float32)
+            grown[:old] = self.expert_probs
+            grown[old:] = np.nan  # each byte written once
             self.expert_probs = grown
         return self.expert_probs
 
