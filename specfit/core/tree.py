@@ -82,20 +82,22 @@ class DraftTree:
         if not (len(parents) == len(tokens) == len(log_probs)):
             raise ValueError("add_level: parents, tokens and log_probs must have the same length")
         prev = self.level(self.depth) if self.depth else None
+        parents = [int(p) for p in parents]
+        if prev is None and any(p != ROOT for p in parents):
+            raise ValueError("the first level must hang from the root (parent -1)")
+        if prev is not None and parents and not (prev.start <= min(parents) and max(parents) < prev.stop):
+            bad = next(p for p in parents if p not in prev)
+            raise ValueError(f"parent {bad} is not a node of the previous level")
         start = len(self.tokens)
         self.level_starts.append(start)
-        for p, t, lp in zip(parents, tokens, log_probs):
-            p = int(p)
-            if prev is None and p != ROOT:
-                raise ValueError("the first level must hang from the root (parent -1)")
-            if prev is not None and p not in prev:
-                raise ValueError(f"parent {p} is not a node of the previous level")
-            self.tokens.append(int(t))
-            self.parents.append(p)
-            self.depths.append(self.depth)
-            self.log_probs.append(float(lp))
-            base = 0.0 if p == ROOT else self.path_log_probs[p]
-            self.path_log_probs.append(base + float(lp))
+        log_probs = [float(lp) for lp in log_probs]
+        path = self.path_log_probs
+        bases = [0.0] * len(parents) if prev is None else [path[p] for p in parents]
+        self.tokens.extend(int(t) for t in tokens)
+        self.parents.extend(parents)
+        self.depths.extend([self.depth] * len(parents))
+        self.log_probs.extend(log_probs)
+        path.extend(b + lp for b, lp in zip(bases, log_probs))
         return range(start, len(self.tokens))
 
     def expert_rows(self, layers: int, top_k: int) -> np.ndarray:

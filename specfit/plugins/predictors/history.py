@@ -155,11 +155,14 @@ class HistoryPredictor(ExpertPredictorBase):
         own = np.stack([self.single.get(t) for t in tokens])
         observed = own[:, :1].sum(axis=2, keepdims=True) / self.k  # times each token was seen
         probs = (own + (self.prior * self.k) * frequency) / (observed + self.prior)
-        for i, (p, t) in enumerate(zip(previous, tokens)):
-            pair = self.pairs.get((p, t)) if p is not None else None
-            if pair is not None:
-                weight = self.pair_weight
-                probs[i] = (weight * pair + _OWN_AS_PAIRS * probs[i]) / (weight * pair[0].sum() / self.k + _OWN_AS_PAIRS)
+        found = [(i, pair) for i, (p, t) in enumerate(zip(previous, tokens))
+                 if p is not None and (pair := self.pairs.get((p, t))) is not None]
+        if found:  # one vectorised blend for every node whose pair was seen
+            rows = [i for i, _ in found]
+            pairs = np.stack([pair for _, pair in found])
+            seen = pairs[:, 0].sum(axis=1)[:, None, None] / self.k  # times each pair was seen
+            weight = self.pair_weight
+            probs[rows] = (weight * pairs + _OWN_AS_PAIRS * probs[rows]) / (weight * seen + _OWN_AS_PAIRS)
         return np.minimum(probs, 1.0)
 
     def _probe_probabilities(self, picks: np.ndarray, frequency: np.ndarray) -> np.ndarray:
