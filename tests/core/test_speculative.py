@@ -287,6 +287,37 @@ def test_a_long_prompt_caught_up_in_chunks_drafts_what_one_step_drafts(monkeypat
     assert chunked.path_log_probs == pytest.approx(whole.path_log_probs, abs=1e-4)
 
 
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_catching_up_computes_only_the_keys_of_all_but_the_last_position(window, qk_norm):
+    """``last_only``: the earlier positions only add their keys and values to the cache, and the
+    last position's output and the cache are those of the full step."""
+    import dataclasses
+
+    from specfit.plugins.drafters.eagle3.checkpoint import head_config_for, random_head
+    from specfit.plugins.drafters.eagle3.head import KVBuffer
+
+    target = tiny_model()
+    config = dataclasses.replace(head_config_for(target), qk_norm=qk_norm)
+    head = random_head(config, seed=1).eval()
+    head.set_target_embedding(target.get_input_embeddings())
+    cfg = vars(config)
+    torch.manual_seed(0)
+    hidden, tokens = torch.randn(9, cfg["hidden_size"]), torch.randint(0, 200, (9,))
+    out, rows = {}, []
+    head.midlayer.mlp.register_forward_pre_hook(lambda _m, args: rows.append(args[0].shape[0]))
+    with torch.inference_mode():
+        for last_only in (False, True):
+            kv = KVBuffer(cfg["num_key_value_heads"], cfg["head_dim"], torch.float32, torch.device("cpu"))
+            head(hidden[:4], tokens[:4], torch.arange(4), kv, window=window)  # a cache already holding 4
+            h = head(hidden[4:], tokens[4:], torch.arange(4, 9), kv, window=window, last_only=last_only)
+            out[last_only] = (h[-1:], kv.k[:, : kv.length].clone(), kv.v[:, : kv.length].clone())
+    assert out[True][0].shape == (1, cfg["hidden_size"])
+    assert rows == [4, 5, 4, 1]  # the MLP ran on the last new position alone
+    for full, last in zip(out[False], out[True]):
+        assert torch.allclose(full, last, atol=1e-5)
+
+
 @pytest.mark.parametrize("queries,keys,window", [(1, 1, 1), (4, 4, 2), (3, 10, 4), (10, 10, 3), (2, 9, 20), (5, 8, None)])
 def test_causal_mask_is_a_band_of_the_latest_window_positions(queries, keys, window):
     from specfit.plugins.drafters.eagle3.head import causal_mask

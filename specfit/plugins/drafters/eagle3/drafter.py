@@ -233,7 +233,7 @@ class Eagle3Drafter(DrafterBase):
             for lo in range(0, len(tokens), CATCH_UP_CHUNK):  # a long prompt a chunk at a time
                 part = slice(lo, lo + CATCH_UP_CHUNK)
                 hidden = head(head.project(features[part].to(self.dtype)), tokens[part], positions[part], kv,
-                              window=self.window)
+                              window=self.window, last_only=True)  # the root's output is all drafting reads
             committed = kv.length
             self.pending_tokens, self.pending_features = [], []
             root_hidden = hidden[-1]

@@ -265,8 +265,15 @@ class Eagle3Head(nn.Module):
         kv: KVBuffer | HeadCache | None = None,  # a KVBuffer only for a one-layer head
         mask: torch.Tensor | None = None,  # bool [T, kv.length + T] (True = attend); None: causal
         window: int | None = None,  # causal only: each position attends to at most this many latest ones
+        last_only: bool = False,  # causal only: return the last position's output alone, [1, hidden]
     ) -> torch.Tensor:
         """One step over ``T`` new positions.
+
+        ``last_only``: the caller reads the last position's output alone (the drafter catching up on
+        committed tokens). In a one-layer head a position's keys and values depend on its own input
+        only, so the earlier positions just add theirs to the cache; their attention and MLP, which
+        nothing reads, are not computed (a gate's probe after 50 skipped cycles catches up on 50
+        positions, a first draft on the whole prompt).
 
         ``window``: a head trained on windows of N tokens has never seen a query attend further back
         than N positions; past that its attention drifts and acceptance falls (the demo head,
@@ -283,12 +290,35 @@ class Eagle3Head(nn.Module):
         residual = normed if self.cfg.norm_before_residual else hidden
         x = torch.cat([layer.input_layernorm(self.embed(tokens).to(hidden.dtype)), normed], dim=-1)
         cos, sin = self.rotary(x[None], positions[None])
-        h = residual + self._attend(layer, x, cos[0], sin[0], caches[0], mask, window)
+        cos, sin = cos[0], sin[0]
+        if last_only and len(x) > 1 and mask is None and caches[0] is not None and self.cfg.num_hidden_layers == 1:
+            self._append_keys(layer, x[:-1], cos[:-1], sin[:-1], caches[0])
+            x, residual, cos, sin = x[-1:], residual[-1:], cos[-1:], sin[-1:]
+        h = residual + self._attend(layer, x, cos, sin, caches[0], mask, window)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         for layer, cache in zip(self.layers.values(), caches[1:]):
-            h = h + self._attend(layer, layer.input_layernorm(h), cos[0], sin[0], cache, mask, window)
+            h = h + self._attend(layer, layer.input_layernorm(h), cos, sin, cache, mask, window)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if last_only:
+            h = h[-1:]
         return self.norm(h) if self.cfg.feed_normed else h
+
+    @staticmethod
+    def _keys(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys (normalised per head where the layer does, rotated) and values for ``x``."""
+        attn, t = layer.self_attn, x.shape[0]
+        k = attn.k_proj(x).view(t, attn.kv_heads, attn.head_dim).transpose(0, 1)
+        v = attn.v_proj(x).view(t, attn.kv_heads, attn.head_dim).transpose(0, 1)
+        if hasattr(attn, "k_norm"):  # Qwen3 layers normalise each head's key before rotary
+            k = attn.k_norm(k)
+        return _rope(k, cos, sin), v
+
+    @classmethod
+    def _append_keys(cls, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     kv: KVBuffer) -> None:
+        """Add the keys and values of positions ``x`` to the cache, computing nothing else."""
+        kv.append(*cls._keys(layer, x, cos, sin))
 
     @staticmethod
     def _attend(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -296,11 +326,10 @@ class Eagle3Head(nn.Module):
         """Self-attention of one layer (its output projection included) over its cache and ``x``."""
         attn, t = layer.self_attn, x.shape[0]
         q = attn.q_proj(x).view(t, attn.heads, attn.head_dim).transpose(0, 1)
-        k = attn.k_proj(x).view(t, attn.kv_heads, attn.head_dim).transpose(0, 1)
-        v = attn.v_proj(x).view(t, attn.kv_heads, attn.head_dim).transpose(0, 1)
         if hasattr(attn, "q_norm"):  # Qwen3 layers normalise each head's query and key before rotary
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q = attn.q_norm(q)
+        q = _rope(q, cos, sin)
+        k, v = Eagle3Head._keys(layer, x, cos, sin)
         if kv is not None:
             kv.append(k, v)
             k, v = kv.k[:, : kv.length], kv.v[:, : kv.length]
