@@ -398,7 +398,9 @@ class LiveVerifier:
         return path
 
     def commit(self, tokens: list[int], kept: list[int], bonus: int) -> None:
-        features = self._result.features[kept] if self._result.features is not None else None
+        features = self._result.features
+        if features is not None and kept != list(range(len(features))):  # rows of a tree pass; a plain pass keeps its one
+            features = features[kept]
         guard.call("drafter", self.drafter, "commit", tokens, features, bonus)
 
     def argmax(self) -> list[int]:
