@@ -176,12 +176,19 @@ class HistoryPredictor(ExpertPredictorBase):
         self.flush()
         rows = tree.expert_rows(self.layers, self.k)
         probs = tree.expert_prob_rows(self.layers, self.experts)
-        if tree.root_experts is None:
-            root, root_probs = self._top_k([self._last_token], [tree.root_token])
-            tree.root_experts, tree.root_expert_probs = root[0], root_probs[0]
-        if len(nodes):
-            previous = [tree.root_token if tree.parents[v] == ROOT else tree.tokens[tree.parents[v]] for v in nodes]
-            rows[list(nodes)], probs[list(nodes)] = self._top_k(previous, [tree.tokens[v] for v in nodes])
+        nodes = list(nodes)
+        previous = [tree.root_token if tree.parents[v] == ROOT else tree.tokens[tree.parents[v]] for v in nodes]
+        tokens = [tree.tokens[v] for v in nodes]
+        root = tree.root_experts is None
+        if root:  # the root (first call of a cycle) in the same call as the level's nodes
+            previous, tokens = [self._last_token, *previous], [tree.root_token, *tokens]
+        if not tokens:
+            return
+        picks, likely = self._top_k(previous, tokens)
+        if root:
+            tree.root_experts, tree.root_expert_probs = picks[0], likely[0]
+        if nodes:
+            rows[nodes], probs[nodes] = picks[int(root):], likely[int(root):]
 
     def observe(self, tokens: Sequence[int], routing: np.ndarray) -> None:
         """Held until the next prediction (or until ``_BACKLOG`` tokens wait), then counted in one go:
