@@ -158,17 +158,17 @@ class Selection:
 class Selector(Protocol):
     """Chooses the subtree to verify; ``select`` is called after every draft level.
 
-    Optional (defaults in ``SelectorBase``): ``requires`` (none), ``chooses_among_likeliest``
-    (False), ``bind``, ``should_draft`` (always), ``observe``, ``observe_time``.
+    Optional (defaults in ``SelectorBase``): ``requires`` (none), ``bind``, ``should_draft``
+    (always), ``observe``, ``observe_time``. Optional everywhere: ``chooses_among_likeliest``, a
+    class attribute (False where absent): True when it only ever chooses among the tree's
+    ``ctx.max_nodes`` likeliest nodes by path probability (``tree.top_by_path_prob``), so experts
+    are predicted for those alone (checked after each ``select``).
     """
 
     name: ClassVar[str]
     # the other parts this selector needs configured, among "cost_model" and "predictor"; the engine
     # and the replay refuse to run without them
     requires: ClassVar[Sequence[str]]
-    # True: it only ever chooses among the tree's ctx.max_nodes likeliest nodes by path probability
-    # (tree.top_by_path_prob), so experts are predicted for those alone (checked after each select)
-    chooses_among_likeliest: ClassVar[bool]
 
     def bind(self, spec: MoESpec) -> None:
         """Prepare for a model (``spec``: layers, experts, top-k)."""
