@@ -25,14 +25,15 @@ running them alternately: the host's speed drifts.
 from __future__ import annotations
 
 import argparse
-import collections
 import time
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
+from specfit.bench.method_timers import MethodTimers
+from specfit.core.calibration import CostConstants
 from specfit.core.context import TokenContext
 from specfit.core.cycle import Cycle, CycleTimes, Verdict
 from specfit.core.moe import moe_spec
@@ -41,8 +42,6 @@ from specfit.core.prefetch import ModelledSink
 from specfit.core.sampling import Sampler, SamplingParams
 from specfit.core.search.synthetic import QWEN3_30B_PCIE4
 from specfit.core.tree import ROOT, DraftTree
-from specfit.core.calibration import CostConstants
-from specfit.plugins.acceptance.learned import LearnedAcceptance
 from specfit.plugins.caches.lru import LRUCache
 from specfit.plugins.cost_models.union import UnionCostModel
 from specfit.plugins.prefetchers.draft import DraftPrefetcher
@@ -134,19 +133,6 @@ class SyntheticVerifier:
         return measured
 
 
-def timed(owner: Any, name: str, label: str, seconds: collections.Counter) -> None:
-    fn: Callable[..., Any] = getattr(owner, name)
-
-    def wrapper(*a: Any, **k: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            seconds[label] += time.perf_counter() - start
-
-    setattr(owner, name, wrapper)
-
-
 def measure(dims: str, cycles: int, all_nodes: bool, args: argparse.Namespace) -> dict[str, float]:
     """Mean host milliseconds per draft level, by part and in all (the cycle's measured overhead)."""
     d = DIMS[dims]
@@ -172,7 +158,7 @@ def measure(dims: str, cycles: int, all_nodes: bool, args: argparse.Namespace) -
     predictor.observe(prompt, routing[prompt].astype(np.int64))  # the prefill's routing, as the engine gives it
     cycle = Cycle(verifier, spec, selector, predictor, cost_model, prefetcher=prefetcher, sink=sink)
     cycle.context = TokenContext(prompt)
-    seconds: collections.Counter[str] = collections.Counter()
+    timers = MethodTimers()
     sampler = Sampler(SamplingParams())
     root, levels, selecting = prompt[-1], 0, 0.0
     for i in range(cycles + args.warmup):
@@ -180,16 +166,16 @@ def measure(dims: str, cycles: int, all_nodes: bool, args: argparse.Namespace) -
             for label, (owner, name) in zip(PARTS, ((predictor, "predict"), (selector, "accept_estimates"),
                                                     (cost_model, "problem"), (selector, "choose"),
                                                     (prefetcher, "_plan"))):
-                timed(owner, name, label, seconds)
-            timed(selector, "select", "select", seconds)
-            timed(prefetcher, "after_level", "after_level", seconds)
+                timers.wrap(owner, name, label)
+            timers.wrap(selector, "select", "select")
+            timers.wrap(prefetcher, "after_level", "after_level")
         sink.begin_cycle()
         record, tokens = cycle.run(root, sampler, args.depth, args.total_tokens)
         root = tokens[-1]
         if i >= args.warmup:
             levels += record.levels
             selecting += record.select_seconds  # the cycle's time from each level's select to the next level
-    per_level = {label: 1e3 * seconds[label] / max(levels, 1) for label in (*PARTS, *TOTAL[1:])}
+    per_level = {label: 1e3 * timers.seconds[label] / max(levels, 1) for label in (*PARTS, *TOTAL[1:])}
     return {**per_level, "all": sum(per_level[label] for label in TOTAL), "levels": levels / cycles,
             "cycle": per_level["predict"] + 1e3 * selecting / max(levels, 1)}
 

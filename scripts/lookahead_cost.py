@@ -19,12 +19,11 @@ alternately, several times.
 from __future__ import annotations
 
 import argparse
-import collections
 import time
-from typing import Any, Callable
 
 import specfit.core.offload as offload
 from specfit.api import build
+from specfit.bench.method_timers import MethodTimers
 from specfit.config import compose
 from specfit.workloads import load_workload
 
@@ -54,22 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     prefetcher, runtime = engine.prefetcher, engine.runtime
     if getattr(prefetcher, "fitted", None) is None:
         raise SystemExit("the model has a single MoE layer: the look-ahead uses its own router there, no fitted one")
-    seconds: collections.Counter[str] = collections.Counter()
-    calls: collections.Counter[str] = collections.Counter()
-
-    def timed(owner: Any, name: str, label: str) -> None:
-        fn: Callable[..., Any] = getattr(owner, name)
-
-        def wrapper(*a: Any, **k: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                seconds[label] += time.perf_counter() - start
-                calls[label] += 1
-
-        setattr(owner, name, wrapper)
-
+    timers = MethodTimers()
+    timed, seconds, calls = timers.wrap, timers.seconds, timers.calls
     labels = [label for label, _ in PARTS]
     timed(prefetcher, "_prefetch_fitted", labels[0])
     timed(prefetcher.fitted, "observe", labels[1])

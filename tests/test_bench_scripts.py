@@ -150,3 +150,19 @@ def test_lookahead_cost_times_every_part_of_the_hook(capsys, tmp_path, monkeypat
         rows[label] = ms
     hook, router, copy = (rows[script.PARTS[i][0]] for i in (0, 1, 7))
     assert router < hook and copy > 0
+
+
+def test_draft_level_cost_times_every_part_of_a_level(capsys):
+    """scripts/draft_level_cost.py at the demo's dims, a few cycles: every part was timed (a renamed
+    method would leave its column at zero) and every level was drafted."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("draft_level_cost", ROOT / "scripts" / "draft_level_cost.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = ["--dims", "demo", "--cycles", "3", "--warmup", "1", "--depth", "3", "--vocab", "512"]
+    assert script.main(args) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("demo")).split()
+    values = [float(v) for v in row[1:]]
+    assert all(v > 0 for v in values[:5]), row  # predict, acceptance, problem, search, prefetch plan
+    assert values[-1] == 3.0  # levels per cycle: every level drafted
