@@ -193,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--all-nodes", action="store_true", help="predict every drafted node (the earlier cycle)")
     args = parser.parse_args(argv)
+    if args.cycles < 1 or args.warmup < 0:
+        parser.error("--cycles must be >= 1 and --warmup >= 0")
     torch.set_num_threads(1)
     rows = [(dims, measure(dims, args.cycles, args.all_nodes, args)) for dims in
             (["demo", "qwen3"] if args.dims == "both" else [args.dims])]

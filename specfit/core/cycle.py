@@ -157,8 +157,9 @@ class Cycle:
         likeliest = chooses_among_likeliest(selector)
         for level in levels:
             t_pred = verifier.now()
-            candidates = tree.top_by_path_prob(max_nodes) if likeliest else None
+            candidates = None  # the likeliest nodes, where experts were predicted for those alone
             if predictor is not None and self._predictions_needed(tree):
+                candidates = tree.top_by_path_prob(max_nodes) if likeliest else None
                 nodes = level if candidates is None else [v for v in candidates if v >= level.start]
                 guard.call("predictor", predictor, "predict", tree, nodes)
                 guard.check_predicted_experts(predictor, tree, nodes, spec.num_layers, spec.top_k, spec.num_experts)

@@ -188,7 +188,7 @@ def check_predicted_experts(predictor: Any, tree: Any, nodes: Sequence[int], lay
     """After ``predict(tree, nodes)``: ``tree.experts`` ([>= len(tree), layers, top_k]) and
     ``tree.root_experts`` ([layers, top_k]), where set, are integer arrays whose rows for ``nodes``
     and the root hold expert ids in ``-1..experts-1`` (earlier rows were checked when filled); the
-    optional ``tree.expert_probs`` ([>= nodes, layers, experts]) and ``tree.root_expert_probs``
+    optional ``tree.expert_probs`` ([>= len(tree), layers, experts]) and ``tree.root_expert_probs``
     ([layers, experts]) are float arrays of probabilities (NaN: not predicted)."""
     # (the tree's attribute, its rows: None for the root's, its last axis, whether it holds expert ids)
     fields = (("root_experts", None, top_k, True), ("experts", len(tree), top_k, True),
@@ -203,7 +203,8 @@ def check_predicted_experts(predictor: Any, tree: Any, nodes: Sequence[int], lay
             got = f"{arr.dtype} array of shape {arr.shape}" if isinstance(arr, np.ndarray) else type(arr).__name__
             want = f"[{layers}, {width}]" if rows is None else f"[>= {rows}, {layers}, {width}]"
             raise violation("predictor", predictor, "predict", f"{field} must be {what} array {want}, got {got}")
-        used = arr if rows is None else arr[np.asarray(nodes, dtype=np.int64)]
+        used = arr if rows is None else (arr[nodes.start:nodes.stop] if isinstance(nodes, range)  # a view
+                                         else arr[np.asarray(nodes, dtype=np.int64)])
         if not used.size:
             continue
         if ids and (int(used.min()) < -1 or int(used.max()) >= experts):

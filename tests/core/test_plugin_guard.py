@@ -239,8 +239,9 @@ def sel(mode):
     return dict(selector=BadSelector(mode), drafter=ScriptedDrafter(PROMPT, vocab=VOCAB, branching=2, depth=3))
 
 
-def few(mode):  # the drafter lets the selector choose 3 of its 14 nodes
-    return dict(selector=BadSelector(mode), drafter=ScriptedDrafter(PROMPT, vocab=VOCAB, branching=2, depth=3, total_tokens=3))
+def few(mode):  # the drafter lets the selector choose 3 of its 14 nodes; the predictor predicts those 3
+    return dict(selector=BadSelector(mode), predictor=HistoryPredictor(),
+                drafter=ScriptedDrafter(PROMPT, vocab=VOCAB, branching=2, depth=3, total_tokens=3))
 
 
 def draft(mode):

@@ -160,9 +160,9 @@ class HistoryPredictor(ExpertPredictorBase):
         if found:  # one vectorised blend for every node whose pair was seen
             rows = [i for i, _ in found]
             pairs = np.stack([pair for _, pair in found])
-            seen = pairs[:, 0].sum(axis=1)[:, None, None] / self.k  # times each pair was seen
             weight = self.pair_weight
-            probs[rows] = (weight * pairs + _OWN_AS_PAIRS * probs[rows]) / (weight * seen + _OWN_AS_PAIRS)
+            seen = (weight * pairs[:, 0].sum(axis=1) / self.k)[:, None, None]  # weighted times each pair was seen
+            probs[rows] = (weight * pairs + _OWN_AS_PAIRS * probs[rows]) / (seen + _OWN_AS_PAIRS)
         return np.minimum(probs, 1.0)
 
     def _probe_probabilities(self, picks: np.ndarray, frequency: np.ndarray) -> np.ndarray:

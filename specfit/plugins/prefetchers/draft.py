@@ -152,7 +152,9 @@ def expected_use(tree: DraftTree, nodes: Sequence[int], fallback: int, layers: i
     rank equals. None without predictions.
 
     A node is verified with probability w_v: 1 for the root and the selected nodes (they are
-    verified whatever the target accepts), a fallback node's path probability otherwise. Given that
+    verified whatever the target accepts), a fallback node's path probability otherwise (the
+    fallback nodes are the likeliest, whose experts the cycle predicts while ``fallback`` is at most
+    the selectable ``max_nodes``; beyond that their rows are unpredicted and add nothing). Given that
     it is verified it uses expert e with probability p_ve: the predictor's ``tree.expert_probs``
     where it gives them, else 1 for its picks and 0 for the rest. The pass uses e with probability
     1 - prod_v (1 - w_v p_ve)."""

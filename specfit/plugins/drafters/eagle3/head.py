@@ -291,10 +291,15 @@ class Eagle3Head(nn.Module):
         x = torch.cat([layer.input_layernorm(self.embed(tokens).to(hidden.dtype)), normed], dim=-1)
         cos, sin = self.rotary(x[None], positions[None])
         cos, sin = cos[0], sin[0]
+        keys = None
         if last_only and len(x) > 1 and mask is None and caches[0] is not None and self.cfg.num_hidden_layers == 1:
-            self._append_keys(layer, x[:-1], cos[:-1], sin[:-1], caches[0])
+            # every position's keys in one projection, as the full step computes them (the cache is
+            # bit for bit the same); the earlier ones go to the cache, the last one's to its query
+            k, v = self._keys(layer, x, cos, sin)
+            caches[0].append(k[:, :-1], v[:, :-1])
+            keys = (k[:, -1:], v[:, -1:])
             x, residual, cos, sin = x[-1:], residual[-1:], cos[-1:], sin[-1:]
-        h = residual + self._attend(layer, x, cos, sin, caches[0], mask, window)
+        h = residual + self._attend(layer, x, cos, sin, caches[0], mask, window, keys)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         for layer, cache in zip(self.layers.values(), caches[1:]):
             h = h + self._attend(layer, layer.input_layernorm(h), cos, sin, cache, mask, window)
@@ -314,22 +319,18 @@ class Eagle3Head(nn.Module):
             k = attn.k_norm(k)
         return _rope(k, cos, sin), v
 
-    @classmethod
-    def _append_keys(cls, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     kv: KVBuffer) -> None:
-        """Add the keys and values of positions ``x`` to the cache, computing nothing else."""
-        kv.append(*cls._keys(layer, x, cos, sin))
-
     @staticmethod
     def _attend(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: KVBuffer | None, mask: torch.Tensor | None, window: int | None = None) -> torch.Tensor:
-        """Self-attention of one layer (its output projection included) over its cache and ``x``."""
+                kv: KVBuffer | None, mask: torch.Tensor | None, window: int | None = None,
+                keys: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Self-attention of one layer (its output projection included) over its cache and ``x``;
+        ``keys``: the keys and values of ``x`` where the caller computed them already."""
         attn, t = layer.self_attn, x.shape[0]
         q = attn.q_proj(x).view(t, attn.heads, attn.head_dim).transpose(0, 1)
         if hasattr(attn, "q_norm"):  # Qwen3 layers normalise each head's query and key before rotary
             q = attn.q_norm(q)
         q = _rope(q, cos, sin)
-        k, v = Eagle3Head._keys(layer, x, cos, sin)
+        k, v = keys if keys is not None else Eagle3Head._keys(layer, x, cos, sin)
         if kv is not None:
             kv.append(k, v)
             k, v = kv.k[:, : kv.length], kv.v[:, : kv.length]
