@@ -282,7 +282,11 @@ def test_two_layer_head_stacks_a_plain_decoder_layer(tmp_path):
                 loaded.state_dict()[name].copy_(p)
         loaded.layers["1"].self_attn.o_proj.weight.zero_()
         loaded.layers["1"].mlp.down_proj.weight.zero_()
-    assert trace(tiny_model(), loaded) == trace(tiny_model(), load_head(one_dir))
+    # the same drafts; log-probabilities to float precision: the one-layer head catches up on the
+    # prompt computing only the last position's attention (Eagle3Head.forward's last_only)
+    (tree, decode), (one_tree, one_decode) = trace(tiny_model(), loaded), trace(tiny_model(), load_head(one_dir))
+    assert tree[0] == one_tree[0] and decode == one_decode
+    assert tree[1] == pytest.approx(one_tree[1], abs=2e-5)
     # vLLM names the first layer layers.0 instead of midlayer
     vllm = Path(shutil.copytree(path, tmp_path / "vllm"))
     edit(vllm, rename={k: "model.layers.0." + k.removeprefix("midlayer.") for k in names if k.startswith("midlayer.")})
