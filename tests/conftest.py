@@ -47,6 +47,15 @@ def _fresh_hydra():
     HydraConfig.instance().cfg = None
 
 
+@pytest.fixture(autouse=True)
+def _notes_said_afresh():
+    """Each test sees its own notes: ``note_once`` says a note once per process (a bench builds one
+    engine per method), and a test run is one process."""
+    from specfit import config_messages
+
+    config_messages._noted.clear()
+
+
 _MODELS: dict[tuple, torch.nn.Module] = {}
 
 

@@ -17,12 +17,12 @@ scored before the estimator learns from the same tree (prequential), as a live r
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
+from specfit.config_messages import note_once
 from specfit.core import guard
 from specfit.core.context import TokenContext
 from specfit.core.tree import ROOT, DraftTree, greedy_outcomes
@@ -212,8 +212,8 @@ def attach_acceptance(selector: Any, node: Any, note: bool = True) -> None:
         if not note:
             return
         name = node.get("name") if hasattr(node, "get") else None
-        print(f"specfit: note: acceptance={name} is not used by selector={guard.plugin_name(selector)} "
-              "(only the cost-aware selectors, such as specfit, use acceptance estimates)", file=sys.stderr)
+        note_once(f"acceptance={name} is not used by selector={guard.plugin_name(selector)} "
+                  "(only the cost-aware selectors, such as specfit, use acceptance estimates)")
         return
     from specfit.registry import get_plugins
 
@@ -231,7 +231,6 @@ def note_state_file_setup(selector: Any, here: dict[str, Any] | None) -> None:
     None when unknown) is used as given, but never silently: its estimates are about that setup."""
     from pathlib import Path
 
-    from specfit.config_messages import note_once
     from specfit.core.calibration import differing_keys
     from specfit.files import read_json_object
 

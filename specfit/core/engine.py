@@ -9,7 +9,6 @@ next token.
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from specfit.config_messages import note_once
 from specfit.core import guard
 from specfit.core.acceptance_estimators import bind_estimator_target
 from specfit.core.calibration import pipelined
@@ -142,8 +142,8 @@ class Engine:
         check_plain_engine_args(self.device, copy, link, tokenizer, ignore_eos)
         if link is not None and copy != "emulated":  # as the config's note says: set for the runs it applies to
             given = repr(copy) if isinstance(copy, str) else f"{type(copy).__name__}(...) (an engine built already)"
-            print(f"specfit: note: link= sets the emulated link, which only copy='emulated' builds and charges; "
-                  f"copy={given} does not read it", file=sys.stderr)
+            note_once(f"link= sets the emulated link, which only copy='emulated' builds and charges; "
+                      f"copy={given} does not read it")
         self.copy_engine = copy if not isinstance(copy, str) else make_copy_engine(copy, self.device, link)
         stop_ids = set(token_ids("stop_token_ids", stop_token_ids, model.config.vocab_size))
         self.max_model_len = context_limit(model.config, max_model_len)  # prompt + output never exceed it (None: no limit)

@@ -26,7 +26,6 @@ host copy is dropped after the preload; on a CPU device the slots are the store'
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from specfit.config_messages import note_once
 from specfit.core import guard
 from specfit.core.expert_compute import ExpertCompute, SlotViews, make_expert_compute, slot_views
 from specfit.core.expert_store import HostExpertStore
@@ -389,8 +389,7 @@ class OffloadRuntime:
     def _cannot_prefetch(self) -> None:
         if not self._said_no_prefetch:
             self._said_no_prefetch = True
-            print(f"specfit: note: cache '{guard.plugin_name(self.policy)}' cannot prefetch; prefetches are "
-                  "ignored", file=sys.stderr)
+            note_once(f"cache '{guard.plugin_name(self.policy)}' cannot prefetch; prefetches are ignored")
 
     # ------------------------------------------------------------------ copies
 

@@ -13,7 +13,6 @@ does its acceptance probe's logit, where the head directory has one (:mod:`.prob
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -21,6 +20,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
+from specfit.config_messages import note_once
 from specfit.errors import ConfigError, ModelError
 from specfit.interfaces import ROOT, DrafterBase, DrafterConfig, DraftTree
 from specfit.plugins.drafters.eagle3.checkpoint import check_head_fits, head_config_for, load_head, random_head
@@ -196,9 +196,9 @@ class Eagle3Drafter(DrafterBase):
     def start(self, prompt_ids: Sequence[int], features: torch.Tensor | None, next_token: int) -> None:
         if self.unasked_random_head:  # at the first decode, not at bind: a build that fails says its error alone
             self.unasked_random_head = False
-            print("specfit: note: drafter=eagle3 has no head (drafter.path is null and the model has no "
-                  "draft_head), so a random head drafts and few drafts will be accepted; set drafter.path "
-                  "to an EAGLE-3 head directory, or drafter.path=random to choose this", file=sys.stderr)
+            note_once("drafter=eagle3 has no head (drafter.path is null and the model has no draft_head), so a "
+                      "random head drafts and few drafts will be accepted; set drafter.path to an EAGLE-3 head "
+                      "directory, or drafter.path=random to choose this")
         self.kv = self.head.new_cache(self.dtype, self.device)
         self.pending_features: list[torch.Tensor] = []  # one chunk per commit, joined when drafting starts
         self.pending_tokens: list[int] = []
