@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(prefetcher, "fitted", None) is None:
         raise SystemExit("the model has a single MoE layer: the look-ahead uses its own router there, no fitted one")
     timers = MethodTimers()
-    timed, seconds, calls = timers.wrap, timers.seconds, timers.calls
+    timed, seconds, calls = timers.wrap, timers.seconds, timers.calls  # short names for the table below
     labels = [label for label, _ in PARTS]
     timed(prefetcher, "_prefetch_fitted", labels[0])
     timed(prefetcher.fitted, "observe", labels[1])
@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts += load_workload(compose(base + [f"workload={workload}",
                                                  f"workload.num_prompts={args.prompts}"]).workload)[:args.prompts]
     engine.generate(prompts[0])  # warm-up, and the fit's first samples
-    seconds.clear()
-    calls.clear()
+    timers.clear()
     tokens, start = 0, time.perf_counter()
     for prompt in prompts:
         tokens += len(engine.generate(prompt).token_ids)
