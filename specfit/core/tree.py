@@ -63,6 +63,9 @@ class DraftTree:
     # for estimators that look drafted tokens up in it (:meth:`continuations`). None: not told.
     context: ContextView | None = None
     _tails: list = field(default_factory=list, repr=False, compare=False)  # continuations' cache
+    # top_by_path_prob's last answer, (nodes in the tree, k, nodes): the cycle and the selector both
+    # ask after each level, and nodes are only ever added
+    _likeliest: tuple = field(default=(0, 0, ()), repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -227,9 +230,11 @@ class DraftTree:
             return []
         if k >= len(self.tokens):
             return list(range(len(self.tokens)))
-        path = np.asarray(self.path_log_probs, dtype=np.float64)
-        order = np.lexsort((np.arange(len(path)), -path))  # by path probability, then index
-        return np.sort(order[:k]).tolist()
+        if self._likeliest[:2] != (len(self.tokens), k):
+            path = np.asarray(self.path_log_probs, dtype=np.float64)
+            order = np.lexsort((np.arange(len(path)), -path))  # by path probability, then index
+            self._likeliest = (len(self.tokens), k, tuple(np.sort(order[:k]).tolist()))
+        return list(self._likeliest[2])  # the caller's own list
 
 
 @dataclass(frozen=True)
