@@ -83,25 +83,10 @@ class CacheStats:
         return dataclasses.replace(self, union_sum=self.union_sum.copy())
 
     def since(self, earlier: CacheStats) -> CacheStats:
-        """Counters accumulated after ``earlier`` (a copy taken before)."""
-        return CacheStats(
-            hits=self.hits - earlier.hits,
-            misses=self.misses - earlier.misses,
-            h2d_bytes=self.h2d_bytes - earlier.h2d_bytes,
-            h2d_seconds=self.h2d_seconds - earlier.h2d_seconds,
-            copy_calls=self.copy_calls - earlier.copy_calls,
-            passes=self.passes - earlier.passes,
-            union_sum=self.union_sum - earlier.union_sum,
-            preload_bytes=self.preload_bytes,
-            h2d_stall_seconds=self.h2d_stall_seconds - earlier.h2d_stall_seconds,
-            link_busy_seconds=self.link_busy_seconds - earlier.link_busy_seconds,
-            prefetch_issued=self.prefetch_issued - earlier.prefetch_issued,
-            prefetch_used=self.prefetch_used - earlier.prefetch_used,
-            prefetch_wasted=self.prefetch_wasted - earlier.prefetch_wasted,
-            issue_seconds=self.issue_seconds - earlier.issue_seconds,
-            timed_copies=self.timed_copies - earlier.timed_copies,
-            timed_copy_seconds=self.timed_copy_seconds - earlier.timed_copy_seconds,
-        )
+        """Counters accumulated after ``earlier`` (a copy taken before); ``preload_bytes`` is the
+        run's, not a counter."""
+        return CacheStats(**{f.name: getattr(self, f.name) if f.name == "preload_bytes"
+                             else getattr(self, f.name) - getattr(earlier, f.name) for f in dataclasses.fields(self)})
 
     def union_per_layer(self) -> np.ndarray:
         return self.union_sum / max(self.passes, 1)
