@@ -30,8 +30,7 @@ def test_top_by_path_prob_ranks_by_path_probability_then_index():
             level = tree.add_level(parents, list(range(6)), np.log(rng.choice([0.1, 0.5, 1.0], 6)).tolist())
             order = sorted(range(len(tree)), key=lambda i: (-tree.path_log_probs[i], i))
             assert tree.top_by_path_prob(5) == sorted(order[:5])  # asked again after each level
-        for k in (0, 1, 5, len(tree), len(tree) + 3):
-            order = sorted(range(len(tree)), key=lambda i: (-tree.path_log_probs[i], i))
+        for k in (0, 1, 5, len(tree), len(tree) + 3):  # the last level's order, for every k
             assert tree.top_by_path_prob(k) == sorted(order[:k])
         tree.top_by_path_prob(5).clear()  # each caller gets its own list
         assert len(tree.top_by_path_prob(5)) == 5
