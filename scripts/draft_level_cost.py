@@ -3,7 +3,7 @@
 After every draft level SpecFit predicts the new nodes' experts, estimates their acceptance,
 builds the selection problem, searches it, and (``prefetch=draft``) plans copies. On a GPU a draft
 level of the head takes about half a millisecond, so this host work decides whether drafting one
-more level can pay at all. This runs the engine's own cycle (:class:`specfit.core.cycle.Cycle`,
+more level can pay at all. This runs the engine's own cycle (:class:`specfit.decode.cycle.Cycle`,
 its guard checks included) on synthetic EAGLE-3-shaped trees (``--top-k`` children per expanded
 node, a beam of ``--top-k``, ``--depth`` levels, the ``--total-tokens`` likeliest selectable), with
 the history predictor (its tables warmed on a routing table of ``--vocab`` tokens), the learned
@@ -33,15 +33,15 @@ import numpy as np
 import torch
 
 from specfit.bench.method_timers import MethodTimers
-from specfit.core.calibration import CostConstants
-from specfit.core.context import TokenContext
-from specfit.core.cycle import Cycle, CycleTimes, Verdict
-from specfit.core.moe import moe_spec
-from specfit.core.offload import bind_cache, cache_resident
-from specfit.core.prefetch import ModelledSink
-from specfit.core.sampling import Sampler, SamplingParams
-from specfit.core.search.synthetic import QWEN3_30B_PCIE4
-from specfit.core.tree import ROOT, DraftTree
+from specfit.calibrate.calibration import CostConstants
+from specfit.types.context import TokenContext
+from specfit.decode.cycle import Cycle, CycleTimes, Verdict
+from specfit.types.moe import moe_spec
+from specfit.offload.runtime import bind_cache, cache_resident
+from specfit.offload.prefetch import ModelledSink
+from specfit.decode.sampling import Sampler, SamplingParams
+from specfit.search.synthetic import QWEN3_30B_PCIE4
+from specfit.types.tree import ROOT, DraftTree
 from specfit.plugins.caches.lru import LRUCache
 from specfit.plugins.cost_models.union import UnionCostModel
 from specfit.plugins.prefetchers.draft import DraftPrefetcher

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from specfit.core.copy_engines import make_copy_engine
-from specfit.core.expert_store import HostExpertStore
-from specfit.core.moe import moe_spec
-from specfit.core.offload import OffloadRuntime
+from specfit.offload.copy.engines import make_copy_engine
+from specfit.offload.store import HostExpertStore
+from specfit.types.moe import moe_spec
+from specfit.offload.runtime import OffloadRuntime
 from specfit.plugins.caches.full import FullCache
 
 

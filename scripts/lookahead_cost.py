@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import time
 
-import specfit.core.offload as offload
+import specfit.offload.runtime as offload
 from specfit.api import build
 from specfit.bench.method_timers import MethodTimers
 from specfit.config import compose

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from specfit.core.next_router import NextLayerRouter
-from specfit.core.router_probe import Router
+from specfit.plugins._kit.next_router import NextLayerRouter
+from specfit.plugins._kit.router_probe import Router
 
 LAYERS, HIDDEN, EXPERTS = 48, 2048, 128
 

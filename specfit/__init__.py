@@ -19,15 +19,15 @@ from specfit.interfaces.hookspecs import hookimpl  # noqa: E402  (light: pluggy 
 if TYPE_CHECKING:
     from specfit.api import build
     from specfit.config import compose
-    from specfit.core.engine import Engine, GenerationOutput
+    from specfit.decode.engine import Engine, GenerationOutput
 
 __all__ = ["Engine", "GenerationOutput", "build", "compose", "hookimpl", "__version__"]
 
 _LAZY = {
     "build": ("specfit.api", "build"),
     "compose": ("specfit.config", "compose"),
-    "Engine": ("specfit.core.engine", "Engine"),
-    "GenerationOutput": ("specfit.core.engine", "GenerationOutput"),
+    "Engine": ("specfit.decode.engine", "Engine"),
+    "GenerationOutput": ("specfit.decode.engine", "GenerationOutput"),
 }
 
 

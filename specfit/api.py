@@ -9,18 +9,18 @@ from typing import Any, Sequence
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from specfit.core.calibration import (
+from specfit.calibrate.calibration import (
     FIT_VERSION, POOR_FIT, acceptance_setup, calibration_path, check_calibration_destination, load_constants,
     run_calibration, save_constants, setup_differences, stored_fit_version, stored_poor_fit,
 )
-from specfit.core.acceptance_estimators import attach_acceptance, note_state_file_setup
-from specfit.core.copy_engines import LinkSettings
-from specfit.core.engine import Engine, default_device
-from specfit.core.loading import LoadedModel, engine_copy, load_target, share_experts
-from specfit.core.sampling import SamplingParams
-from specfit.core.setup_state import attach_setup_state
+from specfit.types.acceptance import attach_acceptance, note_state_file_setup
+from specfit.offload.copy.engines import LinkSettings
+from specfit.decode.engine import Engine, default_device
+from specfit.model.loading import LoadedModel, engine_copy, load_target, share_experts
+from specfit.decode.sampling import SamplingParams
+from specfit.calibrate.setup_state import attach_setup_state
 from specfit.config import check_config, unused_setting_notes
-from specfit.config_messages import note_once
+from specfit.messages import note_once
 from specfit.errors import ConfigError, ModelError
 from specfit.files import missing_directory
 from specfit.registry import get_plugins
@@ -125,7 +125,7 @@ def _check_shared_target(cfg: DictConfig, shared: LoadedModel) -> None:
     """A shared target serves configs with the `model` settings it was loaded with, and no other;
     its model is a template that no Engine has taken (a copy of a taken one would copy its runtime,
     the whole expert store with it)."""
-    from specfit.core.offload import OffloadedExperts
+    from specfit.offload.runtime import OffloadedExperts
 
     if not isinstance(shared, LoadedModel) or shared.settings is None:
         raise ConfigError(f"shared_target={shared!r:.60} must come from specfit.api.load_shared_target")

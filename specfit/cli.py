@@ -387,7 +387,7 @@ def _check_command_keys(command: str, values: dict[str, Any]) -> None:
 def _note_given_twice(args: list[str]) -> None:
     """Of a key given twice Hydra keeps the last value: said, not refused, since a script that adds
     an override to a base command line (as the tests do) means exactly that."""
-    from specfit.config_messages import note_once
+    from specfit.messages import note_once
 
     seen: dict[str, str] = {}
     for arg, parsed in _parsed_overrides(args):

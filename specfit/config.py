@@ -33,7 +33,7 @@ from specfit.interfaces.configs import (  # noqa: F401
     SelectorConfig,
 )
 
-from specfit.config_messages import one_line_config_error
+from specfit.messages import one_line_config_error
 
 CONFIG_MODULE = "specfit.conf"
 
@@ -109,7 +109,7 @@ class ReplayConfig:
     warmup: int = 8  # measured time only: cycles first replayed with throwaway plugins (one-time costs)
     oracle: bool = True  # also replay selector=oracle per cache and cost model, the reference of every method
     # charge (and plan with) a named machine's constants instead of the trace's: time is then modelled
-    # (draft_time too); names in specfit.core.cost_profiles, e.g. qwen3-30b-a3b-h200-pcie5
+    # (draft_time too); names in specfit.types.cost_profiles, e.g. qwen3-30b-a3b-h200-pcie5
     cost_profile: str | None = None
 
 
@@ -330,7 +330,7 @@ def _naming_unparsed(message: str, exc: BaseException, overrides: Sequence[str])
     """A parse error that does not say which override it is about ("mismatched input '='") names it."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from specfit.config_messages import _is_parse_error
+    from specfit.messages import _is_parse_error
 
     if not _is_parse_error(exc):
         return message
@@ -401,9 +401,9 @@ def _check_keys(node: Any, prefix: str) -> None:
 def _check_values(cfg: DictConfig) -> None:
     from omegaconf import OmegaConf
 
-    from specfit.core.sampling import SamplingParams
-    from specfit.core.numerics import check_numerics
-    from specfit.core.expert_compute import check_expert_compute
+    from specfit.decode.sampling import SamplingParams
+    from specfit.model.numerics import check_numerics
+    from specfit.offload.compute.base import check_expert_compute
     from specfit.validation import integer, token_ids
 
     integer("max_new_tokens", cfg.max_new_tokens, minimum=1)
@@ -492,7 +492,7 @@ def _check_replay(replay: DictConfig) -> None:
     choice("replay.draft_time", replay.draft_time, ("measured", "modelled", "recorded"))  # recorded: measured
     integer("replay.warmup", replay.warmup, minimum=0)
     if replay.cost_profile is not None:
-        from specfit.core.cost_profiles import cost_profile
+        from specfit.types.cost_profiles import cost_profile
 
         cost_profile(replay.cost_profile)
 

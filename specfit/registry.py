@@ -23,7 +23,7 @@ from typing import Any
 import pluggy
 
 from specfit import __version__
-from specfit.config_messages import one_line_config_error
+from specfit.messages import one_line_config_error
 from specfit.errors import ConfigError, PluginError, SpecfitError
 from specfit.interfaces import hookspecs
 from specfit.interfaces.configs import CONSUMED_ELSEWHERE, PLUGIN_BASES

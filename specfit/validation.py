@@ -121,7 +121,7 @@ def check_engine_args(model: Any, max_new_tokens: Any, sampling: Any) -> None:
     """The arguments of ``Engine(...)`` and ``Engine.generate(...)`` that are plain values."""
     from torch import nn
 
-    from specfit.core.sampling import SamplingParams
+    from specfit.decode.sampling import SamplingParams
     from specfit.errors import ModelError
 
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
@@ -129,7 +129,7 @@ def check_engine_args(model: Any, max_new_tokens: Any, sampling: Any) -> None:
                          f"got {type(model).__name__}")
     integer("max_new_tokens", max_new_tokens, minimum=1)
     if sampling is not None and not isinstance(sampling, SamplingParams):
-        raise ConfigError(f"sampling must be a specfit.core.sampling.SamplingParams, got {type(sampling).__name__}")
+        raise ConfigError(f"sampling must be a specfit.decode.sampling.SamplingParams, got {type(sampling).__name__}")
 
 
 def is_collection(value: Any) -> bool:
@@ -142,13 +142,13 @@ def check_plain_engine_args(device: Any, copy: Any, link: Any, tokenizer: Any, i
     engine changes the model (``device`` already a torch.device)."""
     from collections.abc import Mapping
 
-    from specfit.core.copy_engines import COPY_KINDS, CopyEngine, LinkSettings
+    from specfit.offload.copy.engines import COPY_KINDS, CopyEngine, LinkSettings
 
     if device.type not in ("cpu", "cuda"):  # the copy engines and expert kernels are written for these two
         raise ConfigError(f"device={str(device)!r}: an Engine runs on cpu or cuda devices")
     if not isinstance(copy, (str, CopyEngine)):
         raise ConfigError(f"copy={copy!r:.60} must be one of {', '.join(COPY_KINDS)} or a copy engine "
-                          "(specfit.core.copy_engines)")
+                          "(specfit.offload.copy.engines)")
     if link is not None and not isinstance(link, (LinkSettings, Mapping)):
         raise ConfigError(f"link={link!r:.60} must be a LinkSettings or a mapping of its fields "
                           "(e.g. {'profile': 'qwen3-30b-a3b-pcie5'})")

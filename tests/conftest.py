@@ -16,8 +16,8 @@ import pytest  # noqa: E402
 
 torch.set_num_threads(1)  # tiny models: threads only add overhead and noise on a shared machine
 
-from specfit.core.builtin_models import build_builtin  # noqa: E402
-from specfit.core.copy_engines import triton_interpret_enabled  # noqa: E402
+from specfit.model.builtin import build_builtin  # noqa: E402
+from specfit.offload.copy.engines import triton_interpret_enabled  # noqa: E402
 
 ARCHITECTURES = ["tiny-qwen3-moe", "tiny-olmoe", "tiny-mixtral"]
 
@@ -51,8 +51,7 @@ def _fresh_hydra():
 def _notes_said_afresh():
     """Each test sees its own notes: ``note_once`` says a note once per process (a bench builds one
     engine per method), and a test run is one process."""
-    from specfit import config_messages
-
+    from specfit import messages as config_messages
     config_messages._noted.clear()
 
 

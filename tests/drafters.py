@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from typing import Any, Iterator, Sequence
 
-from specfit.core.tree import ROOT, DraftTree
+from specfit.types.tree import ROOT, DraftTree
 
 
 class ScriptedDrafter:

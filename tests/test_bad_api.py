@@ -13,8 +13,8 @@ from conftest import tiny_model
 from omegaconf import OmegaConf
 
 import specfit
-from specfit.core.engine import Engine
-from specfit.core.sampling import SamplingParams
+from specfit.decode.engine import Engine
+from specfit.decode.sampling import SamplingParams
 from specfit.errors import ConfigError, ModelError, PluginError
 
 LIMIT_S = 30
@@ -268,7 +268,7 @@ def test_engine_notes_a_link_no_copy_engine_reads(capsys: pytest.CaptureFixture[
     """link= with copy='torch' changes nothing: said once on stderr (as the config's note does), not
     silently dropped; with copy='emulated', and from build() (which passes the link only to the
     emulated engine), nothing is said."""
-    from specfit.core.copy_engines import LinkSettings
+    from specfit.offload.copy.engines import LinkSettings
 
     Engine(tiny_model(), copy="torch", link=LinkSettings(latency_us=1.0))
     assert "link= sets the emulated link, which only copy='emulated' builds and charges" in capsys.readouterr().err
@@ -337,7 +337,7 @@ def test_a_model_whose_build_failed_says_so_when_run_alone() -> None:
 def test_a_restore_that_fails_leaves_the_build_error_and_the_model_handed_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """Restoring the model after a failed build can fail too (a device error): the build's error is
     what is raised, with the restore's as a note, and the runtime is orphaned all the same."""
-    import specfit.core.engine as engine_module
+    import specfit.decode.engine as engine_module
     from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher
 
     class Fails(LookaheadPrefetcher):

@@ -49,7 +49,7 @@ def test_bad_model_paths(tmp_path):
 
 
 def test_sampling_values_are_checked():
-    from specfit.core.sampling import SamplingParams
+    from specfit.decode.sampling import SamplingParams
 
     with pytest.raises(ConfigError, match="sampling.top_p"):
         SamplingParams(temperature=1.0, top_p=0.0)

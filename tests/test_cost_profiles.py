@@ -8,8 +8,8 @@ import re
 import pytest
 
 from specfit.config import compose
-from specfit.core import cost_profiles
-from specfit.core.cost_profiles import COST_PROFILES, QWEN3_30B_A3B, cost_profile
+from specfit.types import cost_profiles
+from specfit.types.cost_profiles import COST_PROFILES, QWEN3_30B_A3B, cost_profile
 from specfit.errors import ConfigError
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import specfit
 import specfit.interfaces
-from specfit.errors import PluginError
+from specfit.errors import ConfigError, PluginError
 from specfit import registry
 from specfit.interfaces import CacheConfig, CostModelBase, CostModelConfig, SelectorBase, SelectorConfig
 from specfit.registry import PluginEntry, Registry, get_plugins, register_plugin, reset_plugins
@@ -64,7 +64,7 @@ def test_third_party_cache_used_through_a_plain_override(site):
     assert type(cfg.cache).__name__ == "DictConfig" and cfg.cache.name == "fifo"
     cache = get_plugins()["cache"].create(cfg.cache)
     assert type(cache).__name__ == "FIFOCache" and cache.requested == (3, None)
-    with pytest.raises(specfit.config.ConfigError, match="capacty"):
+    with pytest.raises(ConfigError, match="capacty"):
         specfit.compose(["model=tiny", "cache=fifo", "cache.capacty=3"])
 
 
@@ -134,7 +134,7 @@ def test_protocol_is_checked():
     class NoAdmit:
         name = "bad"
 
-        class Config(specfit.config.CacheConfig):
+        class Config(CacheConfig):
             name: str = "bad"
 
     registry = Registry("cache")

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
 
-    from specfit.core.copy_engines import TorchCopyEngine, TritonCopyEngine
+    from specfit.offload.copy.engines import TorchCopyEngine, TritonCopyEngine
 
     try:
         import triton

@@ -119,7 +119,7 @@ def random_prompts(count: int, vocab: int, length: int, seed: int) -> list[list[
 def tiny_checkpoint(name: str, workdir: Path, seed: int) -> Path:
     """A tiny family's seeded weights saved in bf16, so that the bf16 runs and the fp32 reference
     read the same values (a built-in model made in each dtype would have different random weights)."""
-    from specfit.core.builtin_models import build_builtin
+    from specfit.model.builtin import build_builtin
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += measure_model("demo", ["model=demo"], prompts, source, args.max_new_tokens, numerics, methods, args.dtype,
                                   extra)
         elif model in TINY_FAMILIES:
-            from specfit.core.builtin_models import builtin_config
+            from specfit.model.builtin import builtin_config
 
             vocab = builtin_config(model).vocab_size
             prompts = random_prompts(args.prompts, vocab, args.tiny_prompt_len, args.seed)

@@ -153,7 +153,7 @@ def specfit_settings(device: torch.device, compute: str = "", numerics: str = ""
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     settings: dict[str, list[str]] = {}
     if "expert_compute" in fields:
-        from specfit.core.expert_compute import IMPLEMENTATIONS
+        from specfit.offload.compute.base import IMPLEMENTATIONS
 
         settings["expert_compute"] = [c for c in IMPLEMENTATIONS if c != "auto" and (c != "triton" or device.type == "cuda")]
     if "numerics" in fields:

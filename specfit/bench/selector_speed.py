@@ -4,7 +4,7 @@
                                            [--extra] [--ablate] [--draft-alpha A]
 
 Instances: synthetic EAGLE-shaped 64-node trees, Qwen3-30B-A3B (48 layers, 128 experts, top-8)
-with 30% of each layer's experts resident, PCIe 4.0 constants (specfit.core.search.synthetic),
+with 30% of each layer's experts resident, PCIe 4.0 constants (specfit.search.synthetic),
 for child_overlap 0.25 / 0.5 / 0.75; `--extra` adds stress settings beyond paper scale (more
 overlap, a 100x / 1000x cheaper link) where far more nodes pay and the flow networks are large;
 `--ablate` times the solver without its greedy start and without item merging.
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specfit.core.search import evaluate, greedy, solve
-from specfit.core.search.synthetic import QWEN3_30B_PCIE4, paper_scale_problem
+from specfit.search import evaluate, greedy, solve
+from specfit.search.synthetic import QWEN3_30B_PCIE4, paper_scale_problem
 
 BAR_MEDIAN_MS = 1.0
 BAR_P99_MS = 5.0

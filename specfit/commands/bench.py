@@ -29,14 +29,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from specfit.api import build, load_shared_target, model_settings
-from specfit.core.loading import LoadedModel
+from specfit.model.loading import LoadedModel
 from specfit.commands.generate import describe_prompts, prompts_of
 from specfit.config import (TAKES_ALL_PROMPTS, compose, given_overrides, num_prompts_unused, override_key,
                             unread_workload_key)
 from specfit.errors import ConfigError
 from specfit.files import check_results_file, check_writable, read_jsonl, write_atomic
 from specfit.progress import progress
-from specfit.config_messages import note_once
+from specfit.messages import note_once
 from specfit.registry import get_plugins
 from specfit.results import append_jsonl, comparison_table, mean_stats, paired_fields, run_config, spec_bench_answers
 

@@ -2,7 +2,7 @@
 every estimator on held-out traces.
 
 The model is fitted on the trace's trees (every outcome the recorded argmaxes settle, see
-:mod:`specfit.core.acceptance_estimators`) and written to ``out_dir/learned.json``; use it with
+:mod:`specfit.types.acceptance`) and written to ``out_dir/learned.json``; use it with
 ``acceptance=learned acceptance.state_file=out_dir/learned.json`` (live or in ``specfit replay``).
 Each estimator is then scored on the held-out traces (``held_out=[DIR, ...]``, or else the last
 ``held_out_fraction`` of the trace's own sequences): Brier score, log loss and reliability of its
@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specfit.core.acceptance_estimators import AcceptanceScore, score, trace_trees
+from specfit.types.acceptance import AcceptanceScore, score, trace_trees
 from specfit.errors import ConfigError
 from specfit.validation import number
 
@@ -45,7 +45,7 @@ class FitAcceptanceConfig:
 
 def fit_acceptance(cfg: FitAcceptanceConfig) -> Path:
     """Fit, score, write; returns the model file."""
-    from specfit.config_messages import note_once
+    from specfit.messages import note_once
     from specfit.files import append_jsonl_lines, check_results_file, check_writable, write_atomic
     from specfit.plugins.acceptance.calibrated import CalibratedAcceptance
     from specfit.plugins.acceptance.learned import LearnedAcceptance

@@ -17,9 +17,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from specfit.config import override_key
-from specfit.config_messages import note_once
-from specfit.core.acceptance_estimators import attach_acceptance, note_state_file_setup
-from specfit.core.cost_profiles import cost_profile
+from specfit.messages import note_once
+from specfit.types.acceptance import attach_acceptance, note_state_file_setup
+from specfit.types.cost_profiles import cost_profile
 from specfit.plugins.cost_models.union import OVERRIDES as COST_OVERRIDES
 from specfit.errors import ConfigError
 from specfit.registry import get_plugins
@@ -190,7 +190,7 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
     if profile is not None:
         over = f", with {', '.join(given_constants)} as given" if given_constants else ""
         print(f"time: modelled on cost profile {profile} ({cost_profile(profile).description}; "
-              f"specfit.core.cost_profiles){over}, not measured")
+              f"specfit.types.cost_profiles){over}, not measured")
     for r in rows:  # modelled prefetch, and what a prefetcher could not replay (lookahead)
         if r.get("prefetch_note"):
             print(f"prefetch={r['prefetch']} ({r['method']}): {r['prefetch_note']}")

@@ -16,7 +16,7 @@
 
 from typing import TYPE_CHECKING, Any
 
-from specfit.core.tree import ROOT, DraftTree
+from specfit.types.tree import ROOT, DraftTree
 from specfit.interfaces.bases import (
     AcceptanceEstimatorBase,
     CostModelBase,
@@ -58,11 +58,11 @@ from specfit.interfaces.protocols import (
 )
 
 if TYPE_CHECKING:
-    from specfit.core.calibration import CostConstants
-    from specfit.core.moe import MoESpec
-    from specfit.core.offload import resolve_capacity
-    from specfit.core.prefetch import PrefetchSink
-    from specfit.core.search import SearchProblem
+    from specfit.calibrate.calibration import CostConstants
+    from specfit.types.moe import MoESpec
+    from specfit.offload.runtime import resolve_capacity
+    from specfit.offload.prefetch import PrefetchSink
+    from specfit.search import SearchProblem
 
 __all__ = [
     "ACCEPTED_KEY",
@@ -109,11 +109,11 @@ __all__ = [
 ]
 
 _LAZY = {
-    "CostConstants": "specfit.core.calibration",
-    "MoESpec": "specfit.core.moe",
-    "PrefetchSink": "specfit.core.prefetch",
-    "resolve_capacity": "specfit.core.offload",
-    "SearchProblem": "specfit.core.search",
+    "CostConstants": "specfit.calibrate.calibration",
+    "MoESpec": "specfit.types.moe",
+    "PrefetchSink": "specfit.offload.prefetch",
+    "resolve_capacity": "specfit.offload.runtime",
+    "SearchProblem": "specfit.search",
 }
 
 

@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Sequence
 
 import numpy as np
 
-from specfit.core.tree import DraftTree
+from specfit.types.tree import DraftTree
 from specfit.errors import ConfigError
 from specfit.interfaces.protocols import Admission, Selection, SelectionContext
 
 if TYPE_CHECKING:
-    from specfit.core.calibration import CostConstants
-    from specfit.core.moe import MoESpec
-    from specfit.core.search import SearchProblem
+    from specfit.calibrate.calibration import CostConstants
+    from specfit.types.moe import MoESpec
+    from specfit.search import SearchProblem
 
 
 class DrafterBase(ABC):
@@ -82,7 +82,7 @@ class CostModelBase(ABC):
     measures it, and calls ``set_constants``); ``constants`` are those set, ``calibrated`` says
     whether any are; ``bind`` keeps the spec as ``self.spec``; ``observe`` ignores cycles.
     ``problem`` refuses, naming the model: a cost model that does not state cycles as an
-    expert-union :class:`~specfit.core.search.SearchProblem` can still serve selectors of your own,
+    expert-union :class:`~specfit.search.SearchProblem` can still serve selectors of your own,
     but not the cost-aware built-ins (``specfit``, ``greedy``, ``prefix``).
     """
 

@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Protocol, Sequence, r
 
 import numpy as np
 
-from specfit.core.tree import DraftTree
+from specfit.types.tree import DraftTree
 
 if TYPE_CHECKING:
     import torch
 
-    from specfit.core.calibration import CostConstants
-    from specfit.core.moe import MoESpec
-    from specfit.core.search import SearchProblem
+    from specfit.calibrate.calibration import CostConstants
+    from specfit.types.moe import MoESpec
+    from specfit.search import SearchProblem
 
 
 # SelectionContext.extra key under which a trace replay hands selectors the nodes the target will
@@ -107,7 +107,7 @@ class Drafter(Protocol):
     total_tokens: int
 
     def bind(self, target: Any) -> None:
-        """Attach to the target (:class:`specfit.core.target.Target`): shapes, embeddings."""
+        """Attach to the target (:class:`specfit.model.target.Target`): shapes, embeddings."""
 
     def feature_layers(self) -> Sequence[int]:
         """Hidden-state indices (HF ``hidden_states`` numbering) the drafter needs from the target."""
@@ -214,7 +214,7 @@ class AcceptanceEstimator(Protocol):
 
     def observe(self, tree: DraftTree, verified: Sequence[int], accepted: Sequence[int]) -> None:
         """After verification: the nodes verified and those accepted; after a greedy pass
-        ``tree.greedy_next`` is set and :func:`specfit.core.tree.greedy_outcomes` settles most
+        ``tree.greedy_next`` is set and :func:`specfit.types.tree.greedy_outcomes` settles most
         unverified nodes too."""
 
     def state(self) -> dict[str, Any] | None:
@@ -229,7 +229,7 @@ class AcceptanceEstimator(Protocol):
 
 @runtime_checkable
 class CostModel(Protocol):
-    """Predicts the seconds of a cycle: constants (:class:`specfit.core.calibration.CostConstants`)
+    """Predicts the seconds of a cycle: constants (:class:`specfit.calibrate.calibration.CostConstants`)
     measured by ``specfit calibrate`` and a selection problem built from them.
 
     ``specfit.build`` loads or measures the constants of an uncalibrated model (``calibrated`` false)
@@ -262,7 +262,7 @@ class CostModel(Protocol):
         ``resident`` the cache's residency, ``draft_seconds`` the time already spent (D)."""
 
     def observe(self, record: Any) -> None:
-        """A measured cycle (:class:`specfit.core.stats.CycleRecord`), for online calibration."""
+        """A measured cycle (:class:`specfit.types.stats.CycleRecord`), for online calibration."""
 
 
 # --------------------------------------------------------------------------- expert predictors
@@ -278,7 +278,7 @@ class ExpertPredictor(Protocol):
     name: ClassVar[str]
 
     def bind(self, target: Any) -> None:
-        """Attach to the target (:class:`specfit.core.target.Target`; ``target.runtime.spec``)."""
+        """Attach to the target (:class:`specfit.model.target.Target`; ``target.runtime.spec``)."""
 
     def predict(self, tree: DraftTree, nodes: Sequence[int]) -> None:
         """Fill ``tree.experts`` for ``nodes``, node ids of the newest level in ascending order: all of
@@ -300,7 +300,7 @@ class ExpertPredictor(Protocol):
 class Prefetcher(Protocol):
     """Issues expert copies ahead of need, so transfers overlap drafting and compute.
 
-    ``bind`` hands it the target and a :class:`specfit.core.prefetch.PrefetchSink`; it prefetches
+    ``bind`` hands it the target and a :class:`specfit.offload.prefetch.PrefetchSink`; it prefetches
     only through ``sink.prefetch(layer, experts)`` (checked: a layer or expert out of range is a
     PluginError naming the prefetcher), from ``after_level`` during drafting or from hooks it sets
     on the target's layers in ``bind`` (live runs only). The cache policy decides what is admitted
@@ -316,7 +316,7 @@ class Prefetcher(Protocol):
     name: ClassVar[str]
 
     def bind(self, target: Any, sink: Any) -> None:
-        """Attach to the target (live: :class:`specfit.core.target.Target`; replay: a stand-in with
+        """Attach to the target (live: :class:`specfit.model.target.Target`; replay: a stand-in with
         ``runtime.spec`` and no passes) and keep ``sink`` to prefetch through."""
 
     def after_level(self, tree: DraftTree, predicted: Sequence[int], resident: np.ndarray) -> None:

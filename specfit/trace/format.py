@@ -137,7 +137,7 @@ class TracePosition:
         return np.where(self.verified[rows] == nodes, rows, -1)
 
     def draft(self, tree: Any) -> Iterator[range]:
-        """Grow ``tree`` (a :class:`specfit.core.tree.DraftTree` of this root) level by level as the
+        """Grow ``tree`` (a :class:`specfit.types.tree.DraftTree` of this root) level by level as the
         drafter did: the root's entropy and acceptance logit before level 1, each level's with the
         next level, and the root probability (None where the recording did not have them)."""
         tree.root_prob = self.known_root_prob
@@ -301,7 +301,7 @@ class TraceMeta:
     def moe_spec(self):  # noqa: ANN201 - a MoESpec (torch imported lazily)
         import torch
 
-        from specfit.core.moe import MoESpec
+        from specfit.types.moe import MoESpec
 
         s = dict(self.spec)
         s["dtype"] = getattr(torch, str(s["dtype"]).removeprefix("torch."))

@@ -17,8 +17,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from specfit.core.calibration import acceptance_setup
-from specfit.core.tree import DraftTree
+from specfit.calibrate.calibration import acceptance_setup
+from specfit.types.tree import DraftTree
 from specfit.errors import ConfigError
 from specfit.interfaces import Selection, SelectionContext, SelectorBase
 from specfit.trace.format import Trace, TraceMeta, TraceSequence, expert_dtype, spec_to_json

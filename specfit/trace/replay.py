@@ -2,12 +2,12 @@
 
 Under greedy decoding the committed sequence is fixed; only the cycle boundaries depend on the
 selector (docs/method.md section 7). The replay runs the engine's own cycle
-(:class:`specfit.core.cycle.Cycle`) against a :class:`TraceVerifier`, a verifier that answers from
+(:class:`specfit.decode.cycle.Cycle`) against a :class:`TraceVerifier`, a verifier that answers from
 the trace: at the current position it rebuilds the recorded tree level by level (the cycle runs
 the predictor and the selector after each, with the simulated cache's residency and the measured
 or modelled draft time), reads the target's tokens off the recorded argmaxes, counts the cache
 hits and misses that the real cache policy (driven through
-:func:`specfit.core.offload.admission_rounds`) has on the recorded routing, and charges the cost
+:func:`specfit.offload.runtime.admission_rounds`) has on the recorded routing, and charges the cost
 model's time for them, less the copy time a layer's pipelined rounds hide behind its compute
 (:func:`hidden_copy_seconds`, the live runtime's schedule); the cycle feeds the selector and
 predictor what the engine would, and the replay moves on by the tokens committed.
@@ -28,16 +28,16 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from specfit.core import guard
-from specfit.core.acceptance_estimators import bind_estimator_target
-from specfit.core.calibration import CostConstants, load_constants
-from specfit.core.context import TokenContext
-from specfit.core.cycle import Cycle, CycleTimes, Verdict, check_parts
-from specfit.core.offload import Round, admission_rounds, bind_cache, cache_preload, cache_resident
-from specfit.core.prefetch import ModelledSink
-from specfit.core.sampling import Sampler, SamplingParams
-from specfit.core.stats import CycleRecord, cycle_summary
-from specfit.core.tree import DraftTree, VerifyBlock
+from specfit.interfaces import guard
+from specfit.types.acceptance import bind_estimator_target
+from specfit.calibrate.calibration import CostConstants, load_constants
+from specfit.types.context import TokenContext
+from specfit.decode.cycle import Cycle, CycleTimes, Verdict, check_parts
+from specfit.offload.runtime import Round, admission_rounds, bind_cache, cache_preload, cache_resident
+from specfit.offload.prefetch import ModelledSink
+from specfit.decode.sampling import Sampler, SamplingParams
+from specfit.types.stats import CycleRecord, cycle_summary
+from specfit.types.tree import DraftTree, VerifyBlock
 from specfit.errors import ConfigError, SpecfitError
 from specfit.trace.format import ACCEPTED_KEY, Trace, TraceError, TracePosition, TraceSequence
 
@@ -95,7 +95,7 @@ class ReplayResult:
         return [c.committed for c in self.cycles if c.sequence == sequence]
 
     def summary(self) -> dict[str, Any]:
-        """:func:`specfit.core.stats.cycle_summary` (the keys a live run reports, same meanings) and
+        """:func:`specfit.types.stats.cycle_summary` (the keys a live run reports, same meanings) and
         the replay's own: the cost model's seconds, divergences, the replay's speed."""
         cycles = self.cycles
         seconds = sum(c.total_seconds for c in cycles)
@@ -174,7 +174,7 @@ def model_loader(trace: Trace, model_cfg: Any = None) -> Callable[[], Any]:
     def load() -> Any:
         if not cache:
             from specfit.config import ModelConfig
-            from specfit.core.loading import load_target
+            from specfit.model.loading import load_target
 
             cfg = model_cfg
             if cfg is None:
@@ -199,7 +199,7 @@ def model_loader(trace: Trace, model_cfg: Any = None) -> Callable[[], Any]:
 
 def _check_model_matches(trace: Trace, model: Any, given: bool) -> None:
     """A predictor reading another model's routers would fail deep inside, or predict nonsense."""
-    from specfit.core.moe import moe_spec
+    from specfit.types.moe import moe_spec
 
     def shape(spec: Any) -> tuple[int, ...]:
         return tuple(int(getattr(spec, k)) for k in ("num_layers", "num_experts", "top_k", "hidden_size"))
@@ -243,7 +243,7 @@ def replay(trace: Trace, selector: Any, cache: Any, cost_model: Any, predictor: 
     if cost_model is None:
         raise ConfigError("replay charges each cycle the cost model's time: set cost_model=union")
     spec = trace.meta.moe_spec()
-    # Plug-ins are called through specfit.core.guard, in the engine's order: selector, cost model, predictor, cache.
+    # Plug-ins are called through specfit.interfaces.guard, in the engine's order: selector, cost model, predictor, cache.
     guard.call("selector", selector, "bind", spec)
     guard.call("cost_model", cost_model, "bind", spec)
     verifier = TraceVerifier(trace, cache, _constants(cost_model, trace), mode,
@@ -447,7 +447,7 @@ def hidden_copy_seconds(rounds: Sequence[Round], copy_s: float, compute_s: float
     """The copy time a layer's rounds hide behind compute, against the cost model's linear charge
     (``copy_s`` per copy plus ``compute_s`` per expert, one after the other).
 
-    The schedule is the live runtime's (:meth:`specfit.core.offload.OffloadRuntime.run_layer`) on
+    The schedule is the live runtime's (:meth:`specfit.offload.runtime.OffloadRuntime.run_layer`) on
     one FIFO link: a round issues its own held-back copies (``fresh``) and then the next round's
     (``ahead``), waits until the copies into its slots have landed, and computes ``compute_s`` per
     expert; a copy starts when the link is free and not before it is issued."""
@@ -482,7 +482,7 @@ def _prefetch_summary(prefetcher: Any, sink: ModelledSink | None) -> dict[str, A
 
 
 def _acceptance_score(selector: Any) -> dict[str, Any]:
-    """The selector's acceptance score (:class:`specfit.core.acceptance_estimators.AcceptanceScore`), if it keeps one."""
+    """The selector's acceptance score (:class:`specfit.types.acceptance.AcceptanceScore`), if it keeps one."""
     score = getattr(selector, "acceptance_score", None)
     return score.as_dict() if score is not None and hasattr(score, "as_dict") and score.nodes else {}
 
@@ -509,7 +509,7 @@ def _constants(cost_model: Any, trace: Trace) -> CostConstants:
         raise guard.failure("cost_model", cost_model, "constants", exc) from exc
     if not isinstance(constants, CostConstants):
         raise guard.violation("cost_model", cost_model, "constants",
-                              f"must be a specfit.core.calibration.CostConstants, got {type(constants).__name__}")
+                              f"must be a specfit.calibrate.calibration.CostConstants, got {type(constants).__name__}")
     values = {k: getattr(constants, k) for k in ("c0", "c_tok", "c_miss", "c_hit", "c_level", "c_draft0")}
     broken = {k: v for k, v in values.items() if not (isinstance(v, Real) and math.isfinite(v))}
     if broken:

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from specfit.config_messages import note_once
+from specfit.messages import note_once
 
 
 @dataclass

@@ -14,14 +14,14 @@ from scipy.stats import chisquare
 
 from specfit import Engine
 from specfit.config import compose
-from specfit.core.acceptance import accept
-from specfit.core.acceptance_estimators import (
+from specfit.decode.acceptance import accept
+from specfit.types.acceptance import (
     SettledTree, attach_acceptance, conditional, greedy_settled, score, settled,
 )
-from specfit.core.calibration import CostConstants
-from specfit.core.sampling import Sampler, SamplingParams
-from specfit.core.setup_state import attach_setup_state, state_path
-from specfit.core.tree import DraftTree, greedy_outcomes, verify_block
+from specfit.calibrate.calibration import CostConstants
+from specfit.decode.sampling import Sampler, SamplingParams
+from specfit.calibrate.setup_state import attach_setup_state, state_path
+from specfit.types.tree import DraftTree, greedy_outcomes, verify_block
 from specfit.errors import ConfigError
 from specfit.plugins.acceptance.calibrated import CalibratedAcceptance
 from specfit.plugins.acceptance.learned import FEATURES, LearnedAcceptance, exclusive, features, initial_weights, map_weights
@@ -427,7 +427,7 @@ def test_the_state_is_saved_between_decodes_never_between_cycles():
 
 
 def test_a_state_that_is_not_json_is_one_line_not_an_error(tmp_path, capsys):
-    from specfit.core.setup_state import StateKeeper
+    from specfit.calibrate.setup_state import StateKeeper
 
     class Odd(PathProbAcceptance):
         name = "odd"

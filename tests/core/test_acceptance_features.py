@@ -15,9 +15,9 @@ from conftest import tiny_model
 from drafters import ScriptedDrafter
 
 from specfit import Engine
-from specfit.core.calibration import CostConstants
-from specfit.core.sampling import Sampler, SamplingParams
-from specfit.core.tree import ROOT, DraftTree
+from specfit.calibrate.calibration import CostConstants
+from specfit.decode.sampling import Sampler, SamplingParams
+from specfit.types.tree import ROOT, DraftTree
 from specfit.interfaces import Selection, SelectorBase
 from specfit.plugins.acceptance.learned import FEATURES, LearnedAcceptance, features
 from specfit.plugins.caches.lru import LRUCache

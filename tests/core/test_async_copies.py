@@ -9,8 +9,8 @@ import torch
 from conftest import tiny_model
 
 from specfit import Engine
-from specfit.core import copy_engines
-from specfit.core.copy_engines import CopyTicket, EmulatedLinkEngine, LinkSettings, TorchCopyEngine
+from specfit.offload.copy import engines as copy_engines
+from specfit.offload.copy.engines import CopyTicket, EmulatedLinkEngine, LinkSettings, TorchCopyEngine
 from specfit.plugins.caches.lru import LRUCache
 
 MS = 1e-3

@@ -1,12 +1,12 @@
-"""The sequence's n-gram index (specfit.core.context) and the learned estimator's context features."""
+"""The sequence's n-gram index (specfit.types.context) and the learned estimator's context features."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from specfit.core.context import TokenContext, context_continuations
-from specfit.core.tree import ROOT, DraftTree
+from specfit.types.context import TokenContext, context_continuations
+from specfit.types.tree import ROOT, DraftTree
 from specfit.plugins.acceptance.learned import FEATURES, features
 
 

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from specfit.core import copy_engines as ce
-from specfit.core.copy_engines import (
+from specfit.offload.copy import engines as ce
+from specfit.offload.copy.engines import (
     CopyEngine,
     CopyRecord,
     EmulatedLinkEngine,
@@ -22,7 +22,7 @@ from specfit.core.copy_engines import (
     TritonCopyEngine,
     make_copy_engine,
 )
-from specfit.core.link_profiles import PROFILES, UnknownLinkProfileError, get_profile
+from specfit.types.link_profiles import PROFILES, UnknownLinkProfileError, get_profile
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -151,7 +151,7 @@ def test_triton_without_interpreter_names_the_fixes(monkeypatch):
 
 
 def test_import_does_not_import_triton():
-    code = "import sys, specfit.core.copy_engines, specfit.core.link_profiles; print('triton' in sys.modules)"
+    code = "import sys, specfit.offload.copy.engines, specfit.types.link_profiles; print('triton' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

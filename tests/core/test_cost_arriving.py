@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from specfit.core.calibration import CostConstants
-from specfit.core.moe import MoESpec
-from specfit.core.search import SearchProblem, evaluate
-from specfit.core.search.bruteforce import brute_force
-from specfit.core.search.exact import greedy, solve
-from specfit.core.search.synthetic import random_small_problem
-from specfit.core.tree import DraftTree
+from specfit.calibrate.calibration import CostConstants
+from specfit.types.moe import MoESpec
+from specfit.search import SearchProblem, evaluate
+from specfit.search.bruteforce import brute_force
+from specfit.search.exact import greedy, solve
+from specfit.search.synthetic import random_small_problem
+from specfit.types.tree import DraftTree
 from specfit.interfaces import SelectionContext
 from specfit.plugins.cost_models.union import UnionCostModel, arrival_waits
 from specfit.plugins.selectors.specfit import SpecFitSelector
@@ -141,7 +141,7 @@ def cycles(stall_share: float | None, rng: np.random.Generator, n: int = 24) -> 
     """Cycles whose time is c0 + c_tok (n + 1) + c_hit used + (visible copy) + D, exactly, where a
     miss issues 4 ms of transfer of which `stall_share` is visible (None: nothing measured, all
     visible, as before issue 14)."""
-    from specfit.core.stats import CycleRecord
+    from specfit.types.stats import CycleRecord
 
     out = []
     for _ in range(n):
@@ -159,7 +159,7 @@ def cycles(stall_share: float | None, rng: np.random.Generator, n: int = 24) -> 
 
 
 def test_calibration_fits_the_overlap_it_observes() -> None:
-    from specfit.core.calibration import fit_constants
+    from specfit.calibrate.calibration import fit_constants
 
     records = cycles(0.25, np.random.default_rng(3))
     pipelined = fit_constants(records, overlap=True)
@@ -181,8 +181,8 @@ def test_without_prefetch_a_measured_wait_keeps_hidden_copies_out_of_the_compute
     """Pipelined rounds hide a quarter of each cycle's copies without any prefetch. Where the host
     measured the waits (stall_measured: an emulated link) the compute constants come out exact and
     c_copy stays the copies' own time; read as before, hidden copies passed for faster compute."""
-    from specfit.core.calibration import fit_constants
-    from specfit.core.stats import waited_copy_seconds
+    from specfit.calibrate.calibration import fit_constants
+    from specfit.types.stats import waited_copy_seconds
 
     records = cycles(0.75, np.random.default_rng(5))  # the pass waited 3/4 of its copies
     for r in records:
@@ -205,8 +205,8 @@ def test_records_say_their_copies_overlapped_and_the_online_refit_and_sink_read_
     from conftest import tiny_model
 
     from specfit import Engine
-    from specfit.core.calibration import fit_constants
-    from specfit.core.stats import visible_copy_seconds
+    from specfit.calibrate.calibration import fit_constants
+    from specfit.types.stats import visible_copy_seconds
     from specfit.plugins.caches.lru import LRUCache
     from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher
     from specfit.plugins.selectors.none import NoDraftSelector
@@ -245,7 +245,7 @@ def test_a_pipelined_calibration_reports_its_overlap_and_names_the_prefetcher() 
     from conftest import tiny_model
 
     from specfit import Engine
-    from specfit.core.calibration import pipelined, run_calibration, setup_fingerprint
+    from specfit.calibrate.calibration import pipelined, run_calibration, setup_fingerprint
     from specfit.plugins.caches.lru import LRUCache
     from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher
     from specfit.plugins.selectors.none import NoDraftSelector

@@ -11,11 +11,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from specfit import Engine
-from specfit.core.copy_engines import make_copy_engine
-from specfit.core.expert_compute import check_expert_compute, resolve, triton_available
-from specfit.core.expert_store import HostExpertStore
-from specfit.core.moe import find_experts, moe_spec
-from specfit.core.offload import OffloadRuntime
+from specfit.offload.copy.engines import make_copy_engine
+from specfit.offload.compute.base import check_expert_compute, resolve, triton_available
+from specfit.offload.store import HostExpertStore
+from specfit.types.moe import find_experts, moe_spec
+from specfit.offload.runtime import OffloadRuntime
 from specfit.errors import ConfigError, ModelError
 from specfit.plugins.caches.full import FullCache
 from specfit.plugins.caches.lru import LRUCache
@@ -239,7 +239,7 @@ def test_ungated_experts_are_refused():
 def _triton_interpreted():
     if not triton_available():
         pytest.skip("triton is not installed")
-    from specfit.core.triton_moe import interpreting
+    from specfit.offload.compute.triton import interpreting
 
     if not interpreting():
         pytest.skip("TRITON_INTERPRET is not set (tests/conftest.py sets it)")
@@ -271,7 +271,7 @@ def test_triton_rows_do_not_depend_on_the_rest_of_the_pass():
 
 
 def test_triton_block_table_covers_every_row_once():
-    from specfit.core.triton_moe import block_m, block_table
+    from specfit.offload.compute.triton import block_m, block_table
 
     import numpy as np
 

@@ -11,8 +11,8 @@ from conftest import tiny_model
 from test_expert_compute import Holder, gpt_oss_experts
 
 from specfit import Engine
-from specfit.core.expert_store import HostExpertStore, canonical
-from specfit.core.moe import ExpertLayout, find_experts, moe_spec, row_parts
+from specfit.offload.store import HostExpertStore, canonical
+from specfit.types.moe import ExpertLayout, find_experts, moe_spec, row_parts
 from specfit.errors import ModelError
 from specfit.plugins.caches.full import FullCache
 from specfit.plugins.caches.lru import LRUCache
@@ -137,8 +137,8 @@ def test_pinning_that_fails_part_way_leaves_the_store_unpinned(capsys, monkeypat
 
 
 def test_the_triton_engine_on_cuda_refuses_a_store_not_pinned_throughout():
-    from specfit.core.copy_engines import EmulatedLinkEngine
-    from specfit.core.offload import _check_store_readable
+    from specfit.offload.copy.engines import EmulatedLinkEngine
+    from specfit.offload.runtime import _check_store_readable
     from specfit.errors import ConfigError
 
     class Triton:

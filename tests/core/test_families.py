@@ -12,8 +12,8 @@ from conftest import tiny_model
 from drafters import ScriptedDrafter
 
 from specfit import Engine
-from specfit.core.target import Target, cache_layer_kinds
-from specfit.core.tree import VerifyBlock
+from specfit.model.target import Target, cache_layer_kinds
+from specfit.types.tree import VerifyBlock
 from specfit.errors import ModelError
 from specfit.plugins.caches.full import FullCache
 from specfit.plugins.caches.lru import LRUCache
@@ -181,7 +181,7 @@ def test_gpt_oss_tree_verification_matches_hf_generate(cache):
 
 def test_qwen3_next_checkpoint_streams_and_decodes_like_hf(tmp_path):
     from specfit.config import ModelConfig
-    from specfit.core.loading import load_target
+    from specfit.model.loading import load_target
 
     model("tiny-qwen3-next").save_pretrained(tmp_path)
     loaded = load_target(ModelConfig(path=str(tmp_path), device="cpu"))
@@ -193,7 +193,7 @@ def test_gpt_oss_bf16_checkpoint_runs_speculation_identical_to_ar(tmp_path):
     """From bf16 weights (numerics=exact: experts stay bf16, the rest computes in float32): AR equals
     HF generate of the same weights in float32, and tree verification equals AR."""
     from specfit.config import ModelConfig
-    from specfit.core.loading import load_target
+    from specfit.model.loading import load_target
 
     model("tiny-gpt-oss").to(torch.bfloat16).save_pretrained(tmp_path)
     fp32 = model("tiny-gpt-oss").to(torch.bfloat16).to(torch.float32)
@@ -214,7 +214,7 @@ def test_gpt_oss_bf16_checkpoint_runs_speculation_identical_to_ar(tmp_path):
 
 def test_gpt_oss_checkpoint_with_sdpa_is_refused_naming_the_key(tmp_path):
     from specfit.config import ModelConfig
-    from specfit.core.loading import load_target
+    from specfit.model.loading import load_target
 
     model("tiny-gpt-oss").save_pretrained(tmp_path)
     with pytest.raises(ModelError, match=r"^model.attn_implementation=sdpa: GptOssForCausalLM \(model_type 'gpt_oss'\) "
@@ -226,7 +226,7 @@ def test_gpt_oss_checkpoint_with_sdpa_is_refused_naming_the_key(tmp_path):
 @pytest.mark.parametrize("predictor", ["history", "router_probe"])
 def test_gpt_oss_specfit_selector_matches_hf_generate(predictor):
     """SpecFit's cost-aware selection on gpt-oss (its router is `mlp.router`, with a bias)."""
-    from specfit.core.calibration import CostConstants
+    from specfit.calibrate.calibration import CostConstants
     from specfit.plugins.cost_models.union import UnionCostModel
     from specfit.plugins.predictors.history import HistoryPredictor
     from specfit.plugins.predictors.router_probe import RouterProbePredictor

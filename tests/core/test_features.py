@@ -4,8 +4,8 @@
 import pytest
 import torch
 
-from specfit.core.builtin_models import ATTENTION_ONLY, BUILTIN_CONFIGS, build_builtin
-from specfit.core.features import tap_for
+from specfit.model.builtin import ATTENTION_ONLY, BUILTIN_CONFIGS, build_builtin
+from specfit.model.features import tap_for
 
 
 def _reference(model, ids, indices):
@@ -42,8 +42,7 @@ def test_engine_features_are_unchanged_by_the_tap(monkeypatch):
     """A speculative decode hands the drafter the same features with the tap as with transformers'
     capture (every pass, bit for bit), so it drafts and commits the same."""
     import specfit
-    from specfit.core import target as target_module
-
+    from specfit.model import target as target_module
     overrides = ["model=demo", "drafter=eagle3", "selector=eagle3", "max_new_tokens=12", "cache=full"]
     prompt = "The king said to his people"
 

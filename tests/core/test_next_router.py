@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specfit.core.next_router import NextLayerRouter
-from specfit.core.router_probe import Router
+from specfit.plugins._kit.next_router import NextLayerRouter
+from specfit.plugins._kit.router_probe import Router
 
 E, H, LAYERS = 8, 16, 3  # H = 2E: the two routers' logits span the whole input, so a linear map is learnable
 

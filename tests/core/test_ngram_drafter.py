@@ -10,8 +10,8 @@ from conftest import tiny_model
 
 import specfit
 from specfit import Engine
-from specfit.core.calibration import CostConstants
-from specfit.core.tree import DraftTree
+from specfit.calibrate.calibration import CostConstants
+from specfit.types.tree import DraftTree
 from specfit.errors import ConfigError
 from specfit.plugins.caches.lru import LRUCache
 from specfit.plugins.caches.none import NoCache
@@ -107,7 +107,7 @@ def test_sampling_keeps_the_targets_distribution():
     """Seed for seed, sampling with prompt-lookup drafts gives AR's tokens (each an exact draw from
     the target's distribution, see test_speculative.sampled_like_ar). The prompt holds (last token,
     x, y) for every x the target may sample first, so every decode drafts after its first token."""
-    from specfit.core.sampling import SamplingParams
+    from specfit.decode.sampling import SamplingParams
 
     prompt = _prompt_that_drafts_after_every_likely_token(top_k=6)
     ar = Engine(tiny_model(), cache=LRUCache(capacity=3), device="cpu")

@@ -14,10 +14,10 @@ from drafters import ScriptedDrafter
 
 import specfit
 from specfit import Engine
-from specfit.core.builtin_models import build_builtin
-from specfit.core.calibration import CostConstants
-from specfit.core.loading import stream_checkpoint
-from specfit.core.numerics import apply_numerics
+from specfit.model.builtin import build_builtin
+from specfit.calibrate.calibration import CostConstants
+from specfit.model.loading import stream_checkpoint
+from specfit.model.numerics import apply_numerics
 from specfit.errors import ConfigError
 from specfit.plugins.caches.lru import LRUCache
 

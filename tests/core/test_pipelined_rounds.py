@@ -18,9 +18,9 @@ from drafters import ScriptedDrafter
 
 import specfit
 from specfit import Engine
-from specfit.core import offload
-from specfit.core.copy_engines import EmulatedLinkEngine, LinkSettings, TorchCopyEngine
-from specfit.core.moe import MoESpec
+from specfit.offload import runtime as offload
+from specfit.offload.copy.engines import EmulatedLinkEngine, LinkSettings, TorchCopyEngine
+from specfit.types.moe import MoESpec
 from specfit.interfaces import Admission, ExpertCacheBase
 from specfit.plugins.caches.lru import LRUCache
 from specfit.plugins.caches.none import NoCache

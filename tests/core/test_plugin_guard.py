@@ -18,8 +18,8 @@ from conftest import tiny_model
 from drafters import ScriptedDrafter
 
 from specfit import Engine
-from specfit.core.calibration import CostConstants
-from specfit.core.tree import DraftTree, verify_block
+from specfit.calibrate.calibration import CostConstants
+from specfit.types.tree import DraftTree, verify_block
 from specfit.errors import ConfigError, PluginError
 from specfit.interfaces import Admission, Selection
 from specfit.plugins.caches.lru import LRUCache

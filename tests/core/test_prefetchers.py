@@ -15,10 +15,10 @@ from drafters import ScriptedDrafter
 
 import specfit
 from specfit import Engine
-from specfit.core.calibration import CostConstants
-from specfit.core.copy_engines import CopyTicket, LinkSettings, TorchCopyEngine
-from specfit.core.prefetch import LiveSink, ModelledSink, check_request
-from specfit.core.tree import DraftTree
+from specfit.calibrate.calibration import CostConstants
+from specfit.offload.copy.engines import CopyTicket, LinkSettings, TorchCopyEngine
+from specfit.offload.prefetch import LiveSink, ModelledSink, check_request
+from specfit.types.tree import DraftTree
 from specfit.errors import PluginError
 from specfit.interfaces import PrefetcherBase, PrefetcherConfig
 from specfit.plugins.caches.full import FullCache
@@ -28,7 +28,7 @@ from specfit.plugins.cost_models.union import UnionCostModel
 from specfit.plugins.predictors.history import HistoryPredictor
 from specfit.plugins.prefetchers.auto import AutoPrefetcher
 from specfit.plugins.prefetchers.draft import DraftPrefetcher, expected_use
-from specfit.core.router_probe import Router, fold_norm
+from specfit.plugins._kit.router_probe import Router, fold_norm
 from specfit.plugins.prefetchers.lookahead import BenefitGate, LookaheadPrefetcher
 from specfit.plugins.prefetchers.none import NoPrefetcher
 from specfit.plugins.selectors.eagle3 import TopByPathProbSelector
@@ -542,7 +542,7 @@ def test_a_copy_in_flight_whose_time_is_unknown_arrives_in_one_measured_copy_tim
 
 def test_a_copy_engine_that_does_not_wait_for_compute_is_refused():
     """The runtime tracks no slot's last use: copies must queue behind the compute before them."""
-    from specfit.core.copy_engines import EmulatedLinkEngine
+    from specfit.offload.copy.engines import EmulatedLinkEngine
     from specfit.errors import ConfigError
 
     for copy in (TorchCopyEngine("cpu", order_after_compute=False),
@@ -554,8 +554,7 @@ def test_a_copy_engine_that_does_not_wait_for_compute_is_refused():
 def test_timing_on_cuda_waits_for_the_compute_stream_only(monkeypatch):
     """The engine's clock synchronises the compute stream, not the device: a device-wide sync would
     wait for the copy stream too, so prefetches issued during drafting would overlap nothing."""
-    from specfit.core import engine as engine_module
-
+    from specfit.decode import engine as engine_module
     synced = []
 
     class Stream:
@@ -931,7 +930,7 @@ def test_modelled_link_says_once_that_cache_none_cannot_prefetch():
 
 
 def tiny_model_spec():
-    from specfit.core.moe import find_experts, moe_spec
+    from specfit.types.moe import find_experts, moe_spec
 
     model = tiny_model()
     return moe_spec(model, find_experts(model))

@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from specfit import Engine
 from specfit.config import ModelConfig
-from specfit.core.loading import load_target
-from specfit.core.quantized import FP4_VALUES, dequantized, fp8_dequantize, mxfp4_dequantize, quantization_of
+from specfit.model.loading import load_target
+from specfit.model.quantized import FP4_VALUES, dequantized, fp8_dequantize, mxfp4_dequantize, quantization_of
 from specfit.errors import ModelError
 from specfit.plugins.caches.lru import LRUCache
 

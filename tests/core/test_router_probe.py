@@ -5,8 +5,8 @@ import numpy as np
 import torch
 from conftest import tiny_model, tiny_model_with_scaled_norms
 
-from specfit.core.moe import find_experts, moe_spec
-from specfit.core.router_probe import RouterProbe, _scores
+from specfit.types.moe import find_experts, moe_spec
+from specfit.plugins._kit.router_probe import RouterProbe, _scores
 
 
 def _per_layer(probe: RouterProbe, tokens: list[int]) -> np.ndarray:

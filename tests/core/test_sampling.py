@@ -9,10 +9,10 @@ from conftest import tiny_model
 from scipy.stats import chisquare
 
 from specfit import Engine
-from specfit.core import acceptance
-from specfit.core.acceptance import accept
-from specfit.core.sampling import Sampler, SamplingParams
-from specfit.core.tree import VerifyBlock
+from specfit.decode import acceptance
+from specfit.decode.acceptance import accept
+from specfit.decode.sampling import Sampler, SamplingParams
+from specfit.types.tree import VerifyBlock
 
 
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 7, 0.6)])

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import specfit
-from specfit.core import engine as engine_module
-from specfit.core.sampling import Sampler, SamplingParams
+from specfit.decode import engine as engine_module
+from specfit.decode.sampling import Sampler, SamplingParams
 
 DEMO = Path(specfit.__file__).parent / "assets" / "demo"
 PROMPT = json.loads((DEMO / "prompts.jsonl").read_text().splitlines()[0])["prompt"]

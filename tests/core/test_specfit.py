@@ -15,9 +15,9 @@ from drafters import ScriptedDrafter
 
 import specfit
 from specfit import Engine
-from specfit.core.calibration import CostConstants, fit_constants, load_constants, nnls
-from specfit.core.moe import MoESpec
-from specfit.core.tree import ROOT, DraftTree
+from specfit.calibrate.calibration import CostConstants, fit_constants, load_constants, nnls
+from specfit.types.moe import MoESpec
+from specfit.types.tree import ROOT, DraftTree
 from specfit.errors import ConfigError
 from specfit.interfaces import SelectionContext
 from specfit.plugins.caches.full import FullCache
@@ -128,7 +128,7 @@ def measured_cycles(rng: np.random.Generator, slow_draft: tuple[int, ...] = (),
                     slow_total: tuple[int, ...] = ()) -> list:
     """40 cycles timed exactly by TRUTH, but those in ``slow_draft`` draft 0.4 s longer and those in
     ``slow_total`` take 1 s longer in all (a busy host)."""
-    from specfit.core.stats import CycleRecord
+    from specfit.types.stats import CycleRecord
 
     records = []
     for i in range(40):
@@ -186,7 +186,7 @@ def test_a_calibration_file_of_another_setup_is_used_with_a_note(tmp_path, monke
 
 def test_a_calibration_fitted_by_an_older_specfit_is_measured_again(tmp_path, monkeypatch, capsys):
     """A stored file without the current ``fit_version`` (an older fit) is not reused silently."""
-    from specfit.core.calibration import FIT_VERSION
+    from specfit.calibrate.calibration import FIT_VERSION
 
     monkeypatch.setenv("SPECFIT_HOME", str(tmp_path))
     overrides = ["model=tiny", "drafter=eagle3", "drafter.top_k=3", "drafter.depth=2", "drafter.total_tokens=6",
@@ -228,8 +228,7 @@ def test_a_calibration_that_predicts_poorly_is_not_stored_and_a_stored_one_is_me
                                                                                             capsys):
     """A held-out median error above POOR_FIT (a busy host) is not trusted: an automatic calibration
     serves its run only, a stored one is measured again; `specfit calibrate`'s is kept as asked."""
-    from specfit.core import calibration
-
+    from specfit.calibrate import calibration
     monkeypatch.setenv("SPECFIT_HOME", str(tmp_path))
     overrides = ["model=tiny", "drafter=eagle3", "drafter.top_k=3", "drafter.depth=2", "drafter.total_tokens=6",
                  "selector=specfit", "cost_model=union", "predictor=history", "cache.capacity=4", "max_new_tokens=8"]
@@ -288,7 +287,7 @@ def test_calibrate_command_stores_the_constants_in_the_file_named(tmp_path, monk
 def test_a_calibration_file_given_in_code_is_loaded_when_bound(tmp_path, monkeypatch, capsys):
     """UnionCostModel(calibration=FILE) given to an Engine (no specfit.build) loads FILE, a path or a
     string, ~ expanded; a damaged one is named when the constants are first needed."""
-    from specfit.core.calibration import save_constants
+    from specfit.calibrate.calibration import save_constants
 
     monkeypatch.setenv("HOME", str(tmp_path))
     file = tmp_path / "c.json"
@@ -322,8 +321,8 @@ def test_specfit_without_cost_model_or_predictor_is_a_clear_error_before_decodin
 
 def test_exact_search_never_predicts_less_than_the_baselines():
     """On the same problems, the exact subtree's predicted throughput bounds greedy's and the prefix's."""
-    from specfit.core.search import evaluate
-    from specfit.core.search.synthetic import paper_scale_problem
+    from specfit.search import evaluate
+    from specfit.search.synthetic import paper_scale_problem
 
     rng = np.random.default_rng(0)
     for _ in range(20):
@@ -381,7 +380,7 @@ def test_draft_gate_keeps_drafting_while_it_pays():
 
 
 def test_draft_gate_compares_tokens_per_second_drafting_with_plain_passes():
-    from specfit.core.selection import DraftGate
+    from specfit.plugins._kit.selection import DraftGate
 
     gate = DraftGate(max_backoff=8)
     assert gate.should_draft()
@@ -400,7 +399,7 @@ def test_draft_gate_compares_tokens_per_second_drafting_with_plain_passes():
 
 def _losing_gate(budget: float, committed: int, seconds: float):
     """A gate that has lost every probe so far (a plain pass: 10 ms, one token), its backoff run up."""
-    from specfit.core.selection import DraftGate
+    from specfit.plugins._kit.selection import DraftGate
 
     gate = DraftGate(max_backoff=256, probe_budget=budget)
     gate.plain(0.010)
@@ -427,7 +426,7 @@ def test_draft_gate_lucky_probe_does_not_restart_the_backoff():
     """A probe that wins by luck halves the back-off instead of resetting it: when drafting then
     loses again, the gate skips about as long as before the win, not 1, 2, 4, ... cycles anew;
     drafting that keeps winning is back at back-off 1 after log2(max_backoff) wins."""
-    from specfit.core.selection import DraftGate
+    from specfit.plugins._kit.selection import DraftGate
 
     gate = DraftGate(max_backoff=64, probe_budget=1e-3)  # a small budget: the back-off decides
     gate.plain(0.010)
@@ -446,7 +445,7 @@ def test_draft_gate_lucky_probe_does_not_restart_the_backoff():
 
 
 def test_draft_gate_state_saved_before_it_counted_cycles_still_loads():
-    from specfit.core.selection import DraftGate
+    from specfit.plugins._kit.selection import DraftGate
 
     gate = DraftGate()
     old = {"spec_tokens": 2.5, "spec_seconds": 0.05, "plain_passes": 3.0, "plain_seconds": 0.03,
@@ -545,7 +544,7 @@ def test_cache_oblivious_model_ignores_residency_and_stays_lossless():
 
 
 def test_online_refit_keeps_copy_cost_through_a_window_without_misses():
-    from specfit.core.stats import CycleRecord
+    from specfit.types.stats import CycleRecord
 
     model = UnionCostModel(online=True, constants=CONSTANTS, refit_every=8)
     rng = np.random.default_rng(1)
@@ -562,7 +561,7 @@ def test_online_refit_keeps_copy_cost_through_a_window_without_misses():
 
 
 def test_calibrated_acceptance_learns_from_unverified_nodes_after_a_greedy_pass():
-    from specfit.core.selection import CalibratedAcceptance
+    from specfit.plugins._kit.selection import CalibratedAcceptance
 
     tree = DraftTree(root_token=0)
     a, b = tree.add_level([-1, -1], [10, 11], [np.log(0.1), np.log(0.05)])
@@ -582,7 +581,7 @@ def test_calibrated_acceptance_learns_from_unverified_nodes_after_a_greedy_pass(
 def test_rate_objective_maximises_the_surplus_at_the_decodes_throughput():
     """objective=rate: the first cycle (no throughput yet) maximises N / T; later ones maximise
     N - lambda * T at the decayed committed tokens per second the selector was told of."""
-    from specfit.core.selection import RateTracker
+    from specfit.plugins._kit.selection import RateTracker
 
     tracker = RateTracker(decay=0.5)
     assert tracker.rate is None
@@ -747,7 +746,7 @@ def test_history_counts_a_prompt_at_once_as_it_would_token_by_token(max_keys):
 def test_a_head_retrained_in_place_is_another_setup(tmp_path):
     """The gate's and the estimator's stored state belong to one head: the same path with other
     weights must get another setup hash, the same weights the same one."""
-    from specfit.core.calibration import head_weights_digest
+    from specfit.calibrate.calibration import head_weights_digest
 
     head = tmp_path / "head"
     head.mkdir()
@@ -766,7 +765,7 @@ class _ChainCosts:
     constants = CostConstants(c0=6e-3, c_tok=0.0, c_miss=0.0, c_hit=0.0, c_level=3e-3)
 
     def problem(self, tree, accept, resident, spent):
-        from specfit.core.search import SearchProblem
+        from specfit.search import SearchProblem
 
         n = len(tree)
         return SearchProblem(parents=np.asarray(tree.parents), accept=accept, node_experts=-np.ones((n, 1, 1)),
@@ -776,7 +775,7 @@ class _ChainCosts:
 
 def _levels_drafted(selector, accept_of_depth, max_depth=6) -> int:
     """Draft a chain level by level (3 ms a level, modelled) until ``selector`` stops; its levels."""
-    from specfit.core.tree import DraftTree
+    from specfit.types.tree import DraftTree
     from specfit.interfaces import SelectionContext
 
     tree = DraftTree(root_token=0)

@@ -143,7 +143,7 @@ def test_reduced_draft_vocabulary_maps_through_d2t(tmp_path):
     out = engine.generate(PROMPT, max_new_tokens=4)
     assert out.token_ids == reference("tiny-qwen3-moe")[len(PROMPT):][:4]
     drafter = engine.drafter
-    from specfit.core.tree import DraftTree
+    from specfit.types.tree import DraftTree
 
     drafter.start(PROMPT, engine.target.prefill(PROMPT).features, 7)
     tree = DraftTree(root_token=7)
@@ -227,7 +227,7 @@ def sampled_like_ar(make_engine, seeds: range, n: int = 10) -> int:
     distribution with its position's uniform (test_sampling checks that law), so equality per seed
     is the distribution kept, and it fails on any changed token. Returns the drafted tokens the
     target accepted, which a test asserts are many (the tree path is exercised)."""
-    from specfit.core.sampling import SamplingParams
+    from specfit.decode.sampling import SamplingParams
 
     ar, (tree, drafter) = Engine(tiny_model(), device="cpu"), make_engine()
     accepted = 0
@@ -272,7 +272,7 @@ def test_tree_drafting_equals_drafting_each_path_alone(window):
 def test_a_long_prompt_caught_up_in_chunks_drafts_what_one_step_drafts(monkeypatch, window):
     """The head takes a long prompt CATCH_UP_CHUNK positions at a time (bounded attention scores);
     each chunk attends to the cache so far, so the drafts are those of one step over it all."""
-    from specfit.core.tree import DraftTree
+    from specfit.types.tree import DraftTree
     from specfit.plugins.drafters.eagle3 import drafter as drafter_module
 
     def drafted(chunk: int) -> DraftTree:
@@ -352,7 +352,7 @@ def test_attention_window_comes_from_the_checkpoint_unless_set(tmp_path):
 def test_committing_several_tokens_equals_starting_over():
     """After a cycle that accepts several tokens, the head drafts what it would from a fresh start
     on the longer sequence (its KV is kept in step with committed tokens)."""
-    from specfit.core.tree import DraftTree
+    from specfit.types.tree import DraftTree
 
     ref = reference("tiny-qwen3-moe")
     engine = Engine(tiny_model(), drafter=Eagle3Drafter(top_k=3, depth=3, total_tokens=10), device="cpu")
@@ -363,7 +363,7 @@ def test_committing_several_tokens_equals_starting_over():
         for _ in drafter.draft(DraftTree(root_token=ref[len(PROMPT)])):
             pass
         # verify the next three true tokens as a chain and commit them
-        from specfit.core.tree import VerifyBlock
+        from specfit.types.tree import VerifyBlock
 
         chain = ref[len(PROMPT) : len(PROMPT) + 4]
         block = VerifyBlock(tokens=chain, parents=[-1, 0, 1, 2], depths=[0, 1, 2, 3], nodes=[0, 1, 2])
@@ -388,7 +388,7 @@ def test_committing_several_tokens_equals_starting_over():
 def test_cycles_that_skip_drafting_leave_the_head_what_starting_over_would():
     """Plain cycles (the gate skipped drafting) only queue their features; the next draft catches
     up on all of them at once and drafts what a fresh start on the longer sequence drafts."""
-    from specfit.core.tree import DraftTree, VerifyBlock
+    from specfit.types.tree import DraftTree, VerifyBlock
 
     ref = reference("tiny-qwen3-moe")
     n = len(PROMPT)
@@ -429,7 +429,7 @@ def test_eager_attention_tree_verification_matches_hf_generate(arch):
 @pytest.mark.parametrize("cache", list(CACHES))
 def test_sampling_is_lossless_for_every_selector_and_cache(selector, cache):
     """Seed for seed, every selector and cache samples AR's tokens, accepting many drafts."""
-    from specfit.core.calibration import CostConstants
+    from specfit.calibrate.calibration import CostConstants
     from specfit.plugins.cost_models.union import UnionCostModel
     from specfit.plugins.predictors.history import HistoryPredictor
     from specfit.plugins.selectors.eagle3 import TopByPathProbSelector

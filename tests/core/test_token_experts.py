@@ -10,7 +10,7 @@ from conftest import tiny_model
 
 import specfit
 from specfit import Engine
-from specfit.core.token_experts import TokenExperts
+from specfit.plugins._kit.token_experts import TokenExperts
 from specfit.errors import ConfigError
 from specfit.plugins.caches.lru import LRUCache
 from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher

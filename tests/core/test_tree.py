@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from specfit.core.tree import ROOT, DraftTree, greedy_outcomes
+from specfit.types.tree import ROOT, DraftTree, greedy_outcomes
 
 
 def test_greedy_outcomes_settle_every_node_the_pass_decides():

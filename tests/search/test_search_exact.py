@@ -7,10 +7,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specfit.core.search import (SearchProblem, evaluate, greedy, is_ancestor_closed,
+from specfit.search import (SearchProblem, evaluate, greedy, is_ancestor_closed,
                                  node_depths, solve, solve_surplus)
-from specfit.core.search.bruteforce import brute_force
-from specfit.core.search.synthetic import paper_scale_problem, random_small_problem
+from specfit.search.bruteforce import brute_force
+from specfit.search.synthetic import paper_scale_problem, random_small_problem
 
 RTOL = 1e-9
 

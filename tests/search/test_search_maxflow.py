@@ -9,7 +9,7 @@ import pytest
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import maximum_flow
 
-from specfit.core.search.maxflow import max_flow
+from specfit.search.maxflow import max_flow
 
 
 def check_flow(n, tails, heads, caps, s, t, res) -> None:

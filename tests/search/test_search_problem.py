@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specfit.core.search import SearchProblem, evaluate, is_ancestor_closed, node_depths
-from specfit.core.search.bruteforce import brute_force, enumerate_subtrees
-from specfit.core.search.synthetic import (QWEN3_30B_PCIE4, child_experts, draft_tree,
+from specfit.search import SearchProblem, evaluate, is_ancestor_closed, node_depths
+from specfit.search.bruteforce import brute_force, enumerate_subtrees
+from specfit.search.synthetic import (QWEN3_30B_PCIE4, child_experts, draft_tree,
                                            paper_scale_problem)
 
 

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from specfit.cli import main
-from specfit.core.cost_profiles import COST_PROFILES
+from specfit.types.cost_profiles import COST_PROFILES
 from specfit.report import write_report
 
 PROFILE = "qwen3-30b-a3b-h200-pcie5"
@@ -154,8 +154,7 @@ def test_a_fitted_model_records_its_setup_and_another_setup_loading_it_says_so(t
     another model, or a live engine of another model, that loads it notes the difference (used as
     given); the setup it was fitted on loads it without a note."""
     import specfit
-    from specfit import config_messages
-
+    from specfit import messages as config_messages
     out = tmp_path / "fit"
     main(["fit-acceptance", f"trace.path={trace_dir}", f"out_dir={out}", "held_out_fraction=0",
           f"hydra.run.dir={tmp_path / 'run'}"])

@@ -11,8 +11,8 @@ from conftest import tiny_model
 from drafters import ScriptedDrafter
 
 from specfit import Engine
-from specfit.core.sampling import SamplingParams
-from specfit.core.tree import DraftTree
+from specfit.decode.sampling import SamplingParams
+from specfit.types.tree import DraftTree
 from specfit.errors import ConfigError
 from specfit.interfaces import SelectionContext
 from specfit.plugins.caches.lru import LRUCache

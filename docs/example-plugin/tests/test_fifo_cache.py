@@ -12,7 +12,7 @@ import torch
 
 import specfit
 import specfit_fifo_cache
-from specfit.core.builtin_models import build_builtin
+from specfit.model.builtin import build_builtin
 from specfit.registry import get_plugins, register_plugin
 
 PROMPT = [1, 2, 3, 4]

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specfit.core.acceptance_estimators import settled
+from specfit.types.acceptance import settled
 from specfit.interfaces import AcceptanceConfig, AcceptanceEstimatorBase, DraftTree
 from specfit.validation import integer, number
 
@@ -51,7 +51,7 @@ class CalibratedAcceptance(AcceptanceEstimatorBase):
 
     def observe(self, tree: DraftTree, verified: Sequence[int], accepted: Sequence[int]) -> None:
         """Learn from the verified nodes, or, after a greedy pass (``tree.greedy_next`` set), from
-        every drafted node whose outcome the pass settled (:func:`specfit.core.tree.greedy_outcomes`)."""
+        every drafted node whose outcome the pass settled (:func:`specfit.types.tree.greedy_outcomes`)."""
         nodes, hit = settled(tree, verified, accepted)
         if not len(nodes):
             return

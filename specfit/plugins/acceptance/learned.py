@@ -30,7 +30,7 @@ Features of node v, all known when the selector runs (before verification):
   over cycles, decay ``recent_decay``), which follows how predictable the current text is;
 - ``context_match`` / ``context_other``: 1 when the tokens before v (the context, then v's path)
   occurred earlier in the sequence and were followed by v's token / by another token (the longest
-  such n-gram, :mod:`specfit.core.context`), and ``context_match_len`` / ``context_other_len``:
+  such n-gram, :mod:`specfit.types.context`), and ``context_match_len`` / ``context_other_len``:
   the same times the log of that n-gram's length, since a longer match repeats more surely. Where
   text repeats, these separate nodes the target accepts from those it does not far better than
   draft probabilities do. All 0 where the tree carries no context;
@@ -46,7 +46,7 @@ Features of node v, all known when the selector runs (before verification):
 The model starts at w0 = (log_share: 1, the rest 0): a_v then equals q(v) and the path product is
 P_v, so an untrained ``learned`` estimator is ``path_prob``. Learning is a Laplace-approximate
 Bayesian update per verified tree: Newton steps on the tree's conditional samples (see
-:func:`specfit.core.acceptance_estimators.conditional`) plus a Gaussian prior at the current
+:func:`specfit.types.acceptance.conditional`) plus a Gaussian prior at the current
 weights with precision H, then H grows by the samples' Hessian. H decays by ``forget`` per tree
 towards the initial ``prior_strength * I``, so old evidence fades and new text can move the model.
 Everything is numpy and deterministic; a tree costs tens of microseconds. The state (w, H, the recent
@@ -60,8 +60,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specfit.core.acceptance_estimators import conditional
-from specfit.core.tree import ROOT
+from specfit.types.acceptance import conditional
+from specfit.types.tree import ROOT
 from specfit.errors import ConfigError
 from specfit.interfaces import AcceptanceConfig, AcceptanceEstimatorBase, DraftTree
 from specfit.validation import integer, is_count, number
@@ -321,7 +321,7 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
 
     def bind(self, spec: Any) -> None:
         """Load ``state_file`` when it names a file (``auto``: the setup's state is given by
-        :mod:`specfit.core.setup_state`, not read here)."""
+        :mod:`specfit.calibrate.setup_state`, not read here)."""
         if self.state_file != "auto":
             self.load_state(load_state_file(self.state_file), strict=True)
 
@@ -406,7 +406,7 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
         self.trees += 1
 
     def fit_trees(self, trees: Any) -> int:
-        """Offline: walk settled trees (:func:`specfit.core.acceptance_estimators.trace_trees`) in
+        """Offline: walk settled trees (:func:`specfit.types.acceptance.trace_trees`) in
         order, collecting their conditional samples with the recent rate as it was at each, then
         :meth:`fit` them all at once. Returns the number of samples."""
         xs, ys, groups, offset = [], [], [], 0

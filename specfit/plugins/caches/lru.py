@@ -8,8 +8,8 @@ from typing import Sequence
 
 import numpy as np
 
-from specfit.core.moe import MoESpec
-from specfit.core.offload import resolve_capacity
+from specfit.types.moe import MoESpec
+from specfit.offload.runtime import resolve_capacity
 from specfit.interfaces import Admission, CacheConfig, ExpertCacheBase
 
 

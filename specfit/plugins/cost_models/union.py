@@ -21,8 +21,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specfit.core.calibration import CostConstants, fit_constants, load_constants
-from specfit.core.search import SearchProblem, evaluate
+from specfit.calibrate.calibration import CostConstants, fit_constants, load_constants
+from specfit.search import SearchProblem, evaluate
 from specfit.errors import ConfigError
 from specfit.interfaces import CostModelBase, CostModelConfig, DraftTree
 from specfit.validation import integer, number

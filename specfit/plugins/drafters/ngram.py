@@ -1,7 +1,7 @@
 """The n-gram drafter (prompt lookup): drafts what followed the last earlier occurrence of the
 latest tokens, with no model pass.
 
-The prompt and the committed tokens are indexed by n-gram (:mod:`specfit.core.context`). A draft is
+The prompt and the committed tokens are indexed by n-gram (:mod:`specfit.types.context`). A draft is
 the continuation of the longest n-gram (``min_match`` to 8 tokens) that ends at the root, extended
 one token per level by the same lookup on the tokens drafted so far, up to ``depth`` tokens: a
 chain, as vLLM's ``ngram`` method and transformers' prompt-lookup decoding draft. It pays where text
@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from specfit.core.context import ORDERS, TokenContext
+from specfit.types.context import ORDERS, TokenContext
 from specfit.errors import ConfigError
 from specfit.interfaces import ROOT, DrafterBase, DrafterConfig, DraftTree
 from specfit.plugins.drafters.eagle3.drafter import TREE_LIMITS

@@ -3,7 +3,7 @@
 Routing depends strongly on the token itself (most of all in early layers), so per-token,
 per-layer expert counts gathered online from verified tokens are a cheap, model-free predictor.
 The previous token (the node's parent) refines it when that pair has been seen. A token never
-seen is predicted by the router probe (:mod:`specfit.core.router_probe`): falling back to the
+seen is predicted by the router probe (:mod:`specfit.plugins._kit.router_probe`): falling back to the
 most frequent experts instead would predict the same experts for every new token and make large
 trees look free.
 
@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from specfit.core.router_probe import RouterProbe
+from specfit.plugins._kit.router_probe import RouterProbe
 from specfit.interfaces import ROOT, DraftTree, ExpertPredictorBase, PredictorConfig
 from specfit.validation import integer, number
 

@@ -1,5 +1,5 @@
 """Predict a node's experts with the target's own routers applied to its token's embedding
-(see :mod:`specfit.core.router_probe`)."""
+(see :mod:`specfit.plugins._kit.router_probe`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 
-from specfit.core.router_probe import RouterProbe
+from specfit.plugins._kit.router_probe import RouterProbe
 from specfit.interfaces import DraftTree, ExpertPredictorBase, PredictorConfig
 
 

@@ -4,7 +4,7 @@ The predictors, all live (they read the pass's hidden states; a trace replay has
 
 - ``fitted`` (the default): when MoE layer l has issued its own copies (the runtime's layer
   listener, with the experts' input, already normalised), predict layer l+1's router logits from
-  it with :class:`specfit.core.next_router.NextLayerRouter`, a linear map of the two routers'
+  it with :class:`specfit.plugins._kit.next_router.NextLayerRouter`, a linear map of the two routers'
   logits fitted online on the target's own passes (before any data: layer l+1's raw router, the
   mixtral-offloading predictor); the copies queue behind layer l's on the FIFO link and travel
   while layer l computes and layer l+1 attends. The first layer, which has no layer before it,
@@ -52,7 +52,7 @@ change its top-k, so the hook is one matmul, a top-k and one host read.
 
 In the first MoE layers the routing follows the token more than its context, so for the first
 ``token_table`` layers (default 2) a per-token table of the experts each layer chose before
-(:mod:`specfit.core.token_experts`) competes with the router: both are scored against the routing of
+(:mod:`specfit.plugins._kit.token_experts`) competes with the router: both are scored against the routing of
 every one-token pass whose token the table has seen, and the table's picks are taken for a pass
 whose tokens it has all seen while it has recalled that layer better lately. It learns from every
 pass the look-ahead runs in (not while its gate pauses it). Live on the demo (8 held-out prompts, prose then GSM):
@@ -86,9 +86,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specfit.core.next_router import NextLayerRouter
-from specfit.core.router_probe import fold_norm, moe_routers
-from specfit.core.token_experts import TokenExperts
+from specfit.plugins._kit.next_router import NextLayerRouter
+from specfit.plugins._kit.router_probe import fold_norm, moe_routers
+from specfit.plugins._kit.token_experts import TokenExperts
 from specfit.errors import ConfigError
 from specfit.interfaces import PrefetcherBase, PrefetcherConfig
 
@@ -110,7 +110,7 @@ class LookaheadPrefetcherConfig(PrefetcherConfig):
     # it does not (probing again now and then); false: always on
     gate: bool = True
     # the first MoE layers that may take their picks from a per-token table of the experts they
-    # chose before, where it has predicted them better lately (specfit.core.token_experts); 0: none
+    # chose before, where it has predicted them better lately (specfit.plugins._kit.token_experts); 0: none
     token_table: int = 2
 
     def __post_init__(self) -> None:

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specfit.core.search import SearchProblem, greedy
-from specfit.core.selection import CostAwareSelector, CostAwareSelectorConfig
+from specfit.search import SearchProblem, greedy
+from specfit.plugins._kit.selection import CostAwareSelector, CostAwareSelectorConfig
 
 
 @dataclass

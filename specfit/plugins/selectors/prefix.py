@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specfit.core.search import SearchProblem, evaluate
-from specfit.core.selection import CostAwareSelector, CostAwareSelectorConfig
+from specfit.search import SearchProblem, evaluate
+from specfit.plugins._kit.selection import CostAwareSelector, CostAwareSelectorConfig
 
 
 @dataclass

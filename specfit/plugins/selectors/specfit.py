@@ -1,10 +1,10 @@
 """SpecFit: verify the subtree with the highest predicted throughput, found exactly, and stop
 drafting when another level cannot pay (docs/method.md sections 2-3).
 
-After every draft level the exact search (:mod:`specfit.core.search`) finds the ancestor-closed
+After every draft level the exact search (:mod:`specfit.search`) finds the ancestor-closed
 subtree S maximising rho(S) = N(S) / T(S) among the nodes EAGLE's reranking keeps (the
 ``total_tokens`` of highest path probability). The shared machinery (problem, acceptance
-estimates, the stop rule) is :class:`specfit.core.selection.CostAwareSelector`.
+estimates, the stop rule) is :class:`specfit.plugins._kit.selection.CostAwareSelector`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from specfit.core.search import SearchProblem, solve, solve_surplus
-from specfit.core.selection import CostAwareSelector, CostAwareSelectorConfig
+from specfit.search import SearchProblem, solve, solve_surplus
+from specfit.plugins._kit.selection import CostAwareSelector, CostAwareSelectorConfig
 from specfit.errors import ConfigError
 
 OBJECTIVES = ("ratio", "rate")
@@ -54,7 +54,7 @@ class SpecFitSelector(CostAwareSelector):
     def _warm_up(self) -> None:
         super()._warm_up()  # the ratio's kernel (the first cycle, with no rate yet)
         if self.objective == "rate":  # and the surplus kernel every later cycle uses: compiled now too
-            from specfit.core.search.synthetic import paper_scale_problem
+            from specfit.search.synthetic import paper_scale_problem
 
             problem = paper_scale_problem(np.random.default_rng(0), n_nodes=8, layers=2, experts=8, top_k=2)
             solve_surplus(problem, 1.0, np.ones(problem.n_nodes, dtype=bool))

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from specfit.config_messages import note_once
+from specfit.messages import note_once
 from specfit.errors import ConfigError, ModelError
 from specfit.interfaces import ROOT, DrafterBase, DrafterConfig, DraftTree
 from specfit.plugins.drafters.eagle3.checkpoint import check_head_fits, head_config_for, load_head, random_head
@@ -146,7 +146,7 @@ class Eagle3Drafter(DrafterBase):
         else:
             self.probe = None
         # the head's directory holds a probe this drafter does not use: another setup for what is
-        # stored per setup (specfit.core.calibration.setup_fingerprint), as its estimates differ
+        # stored per setup (specfit.calibrate.calibration.setup_fingerprint), as its estimates differ
         self.probe_left_unused = (self.probe is None and from_dir is not None
                                   and (Path(from_dir).expanduser() / PROBE_FILE).is_file())
 

@@ -1,0 +1,1 @@
+"""Fitting and persisting per-setup state: the cost model's constants, what selectors learned."""

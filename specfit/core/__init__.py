@@ -1,1 +1,0 @@
-"""The machinery: decode loop, draft tree, verification, offloaded-experts runtime."""

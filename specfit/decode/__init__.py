@@ -1,0 +1,1 @@
+"""The decode loop: the engine, one cycle, sampling and the acceptance rule."""

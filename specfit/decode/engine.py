@@ -1,0 +1,470 @@
+"""The decode loop: prefill, then cycles (draft a tree level by level, select a subtree, verify it,
+accept, commit) until a stop token, ``max_new_tokens`` or the context limit.
+
+The cycle itself is :class:`specfit.decode.cycle.Cycle`, shared with trace replay; here it runs
+against the target through :class:`LiveVerifier`. Autoregressive decoding is the same loop with a
+drafter that proposes nothing: each cycle then verifies only the root and commits the target's
+next token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from specfit.messages import note_once
+from specfit.interfaces import guard
+from specfit.types.acceptance import bind_estimator_target
+from specfit.calibrate.calibration import pipelined
+from specfit.types.context import TokenContext
+from specfit.offload.copy.engines import CopyEngine, LinkSettings, make_copy_engine, waits_measured
+from specfit.decode.cycle import Cycle, CycleObserver, CycleTimes, Verdict, check_parts, target_prob
+from specfit.offload.store import HostExpertStore
+from specfit.model.numerics import apply_numerics, check_numerics, map_dense_tensors, numerics_info
+from specfit.offload.runtime import OffloadRuntime
+from specfit.decode.sampling import Sampler, SamplingParams
+from specfit.calibrate.setup_state import decode_ended
+from specfit.types.stats import RUNTIME_PREFETCH_COUNTS, CycleRecord, RunStats
+from specfit.model.target import PassOutput, Target
+from specfit.types.tree import DraftTree, VerifyBlock
+from specfit.errors import ConfigError
+from specfit.offload.prefetch import LiveSink
+from specfit.interfaces import CostModel, Drafter, ExpertCache, ExpertPredictor, Prefetcher, Selector
+from specfit.validation import (
+    check_engine_args, check_plain_engine_args, device_arg, integer, is_collection, token_ids,
+)
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[int]  # generated tokens (the prompt excluded)
+    text: str | None  # decoded text, when the model has a tokenizer
+    stats: dict[str, Any]  # the results.jsonl keys
+    prompt_ids: list[int] = field(default_factory=list)
+    cycles: list[CycleRecord] = field(default_factory=list)
+    # "stop": a stop token ended it; "length": max_new_tokens or the context limit did (as vLLM reports it)
+    finish_reason: str = "length"
+
+
+_FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                  "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def forward_hooks(model: nn.Module) -> dict[nn.Module, dict[str, dict]]:
+    """Every module's forward hooks as they are now (for :func:`restore_forward_hooks`)."""
+    return {m: {name: dict(getattr(m, name)) for name in _FORWARD_HOOKS} for m in model.modules()}
+
+
+def restore_forward_hooks(saved: dict[nn.Module, dict[str, dict]]) -> None:
+    """Put back the hooks :func:`forward_hooks` saw: those the runtime and the plug-ins of a failed
+    build registered go (they would run in the next Engine's passes)."""
+    for module, hooks in saved.items():
+        for name, entries in hooks.items():
+            current = getattr(module, name)
+            current.clear()
+            current.update(entries)
+
+
+def dense_placement(model: nn.Module) -> dict[tuple[nn.Module, str], tuple[torch.dtype, torch.device]]:
+    """Each parameter's and buffer's dtype and device (for :func:`restore_dense_placement`)."""
+    saved: dict[tuple[nn.Module, str], tuple[torch.dtype, torch.device]] = {}
+
+    def note(module: nn.Module, name: str, t: torch.Tensor) -> None:
+        saved[module, name] = (t.dtype, t.device)
+
+    map_dense_tensors(model, note)
+    return saved
+
+
+def restore_dense_placement(model: nn.Module, saved: dict[tuple[nn.Module, str], tuple[torch.dtype, torch.device]]) -> None:
+    """Cast and move back what a failed build's ``numerics`` upcast or moved (exact: half values
+    were upcast, so casting back loses nothing); the replaced experts modules are gone already."""
+    def back(module: nn.Module, name: str, t: torch.Tensor) -> torch.Tensor | None:
+        dtype, device = saved.get((module, name), (t.dtype, t.device))
+        return t.to(device, dtype) if (t.dtype, t.device) != (dtype, device) else None
+
+    map_dense_tensors(model, back)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class Engine:
+    """An offloaded MoE target plus its drafter, selector, cost model, predictor and expert cache.
+
+    Building an Engine replaces the model's experts modules with offloaded ones (the model is
+    modified in place) and moves the rest of the model to ``device``. A drafter, selector or cache
+    left out gets the defaults :func:`specfit.api.default_parts` builds (drafter ``none``, selector
+    ``eagle3``, cache ``lru``), as ``specfit.build`` does.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        cache: ExpertCache | None = None,
+        copy: str | CopyEngine = "torch",
+        link: LinkSettings | None = None,
+        drafter: Drafter | None = None,
+        selector: Selector | None = None,
+        cost_model: CostModel | None = None,
+        predictor: ExpertPredictor | None = None,
+        tokenizer: Any = None,
+        device: str | torch.device | None = None,
+        sampling: SamplingParams | None = None,
+        max_new_tokens: int = 64,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        info: dict[str, Any] | None = None,
+        max_model_len: int | None = None,
+        expert_store: HostExpertStore | None = None,
+        expert_compute: str = "auto",
+        numerics: str = "exact",
+        prefetcher: Prefetcher | None = None,
+    ) -> None:
+        check_engine_args(model, max_new_tokens, sampling)
+        check_numerics(numerics)
+        if drafter is None or selector is None or cache is None:
+            from specfit.api import default_parts  # the one place that names the defaults
+
+            defaults = default_parts(drafter=drafter, selector=selector, cache=cache)
+            drafter, selector, cache = defaults["drafter"], defaults["selector"], defaults["cache"]
+        check_parts({"drafter": drafter, "selector": selector, "cost_model": cost_model, "predictor": predictor,
+                     "cache": cache, "prefetch": prefetcher})
+        # every plain argument before the runtime takes the model's experts (it changes the model in place)
+        self.device = device_arg(device) if device is not None else default_device()
+        check_plain_engine_args(self.device, copy, link, tokenizer, ignore_eos)
+        if link is not None and copy != "emulated":  # as the config's note says: set for the runs it applies to
+            given = repr(copy) if isinstance(copy, str) else f"{type(copy).__name__}(...) (an engine built already)"
+            note_once(f"link= sets the emulated link, which only copy='emulated' builds and charges; "
+                      f"copy={given} does not read it")
+        self.copy_engine = copy if not isinstance(copy, str) else make_copy_engine(copy, self.device, link)
+        stop_ids = set(token_ids("stop_token_ids", stop_token_ids, model.config.vocab_size))
+        self.max_model_len = context_limit(model.config, max_model_len)  # prompt + output never exceed it (None: no limit)
+        hooks, tensors = forward_hooks(model), dense_placement(model)
+        self.runtime = OffloadRuntime(model, cache, self.copy_engine, self.device, store=expert_store,
+                                      compute=expert_compute)
+        try:
+            self._bind(model, tokenizer, drafter, selector, cost_model, predictor, prefetcher, numerics)
+        except BaseException as exc:  # hand the model on: the next Engine over it takes the experts from this store
+            self.runtime.orphan()  # first: it cannot fail, and a restore below might
+            try:
+                restore_forward_hooks(hooks)
+                restore_dense_placement(model, tensors)  # as loaded: numerics and device are the next Engine's
+            except Exception as restore_error:  # the build's own error is the one to report
+                exc.add_note(f"specfit: restoring the model after this failure also failed: {restore_error!r:.200}")
+            raise
+        self.sampling = sampling or SamplingParams()
+        self.max_new_tokens = max_new_tokens
+        self.stop_token_ids = stop_ids if ignore_eos else stop_ids | _eos_ids(model, tokenizer)
+        self.info = {
+            "drafter": self.drafter.name,
+            "selector": self.selector.name,
+            "cache": self.runtime.policy.name,
+            "prefetch": prefetcher.name if prefetcher is not None else "none",
+            "cache_slots_per_layer": self.runtime.slots_per_layer,
+            "copy_engine": self.copy_engine.describe(),
+            "h2d_emulated": bool(self.copy_engine.emulated),
+            "h2d_stall_measured": self.stall_measured,  # the stall is the host's wait (see verify_compute_seconds)
+            "expert_compute": self.runtime.compute.name,
+            **numerics_info(numerics, self.spec, model),
+            **memory_info(self.runtime, model),
+            **(info or {}),
+        }
+
+    def _bind(self, model: nn.Module, tokenizer: Any, drafter: Drafter, selector: Selector,
+              cost_model: CostModel | None, predictor: ExpertPredictor | None, prefetcher: Prefetcher | None,
+              numerics: str) -> None:
+        """The model on its device and every plug-in bound to it (the runtime is installed)."""
+        apply_numerics(model, numerics)  # the experts are the runtime's now: only dense weights are upcast
+        model.to(self.device).eval()
+        self.model = model
+        self.spec = self.runtime.spec
+        self.target = Target(model, self.runtime)
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.selector = selector
+        self.cost_model = cost_model
+        self.predictor = predictor
+        # Plug-ins are called through specfit.interfaces.guard: their errors and bad values name them.
+        guard.call("drafter", self.drafter, "bind", self.target)
+        self.target.feature_layers = guard.feature_layers(self.drafter, getattr(model.config, "num_hidden_layers", None))
+        for limit in ("depth", "total_tokens"):  # read every cycle: sizes of what the selector may choose
+            guard.check_count("drafter", self.drafter, "bind", getattr(self.drafter, limit), f"drafter.{limit}")
+        self.target.check_drafter(self.drafter.name, self.drafter.depth)  # e.g. no tree over a recurrent state
+        self._vocab = int(model.config.vocab_size)  # draft tokens must be target token ids
+        guard.call("selector", self.selector, "bind", self.spec)
+        if cost_model is not None:
+            guard.call("cost_model", cost_model, "bind", self.spec)
+        if predictor is not None:
+            guard.call("predictor", predictor, "bind", self.target)
+        bind_estimator_target(self.selector, self.target)
+        self.prefetcher = prefetcher
+        self.prefetch_sink: LiveSink | None = None
+        if prefetcher is not None:  # bound with a live sink: its copies go to the runtime, checked
+            self.prefetch_sink = LiveSink(prefetcher, self.runtime, cost_model)
+            self.prefetch_sink.call("bind", self.target, self.prefetch_sink)
+        self.copies_overlap = pipelined(self)  # cycles' times then hold the stall, not the issued copies
+        self.stall_measured = waits_measured(self.copy_engine)  # its waits are the host's
+
+    # ------------------------------------------------------------------ public API
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int | None = None,
+        sampling: SamplingParams | None = None,
+        *,
+        selector: Selector | None = None,
+        predict: bool = True,
+        observers: Sequence[CycleObserver] = (),
+        accept_limit: int | None = None,
+    ) -> GenerationOutput:
+        """Decode from ``prompt`` (text needs a tokenizer; token ids always work).
+
+        Trace recording and calibration decode with their own settings, passed here rather than
+        set on the engine: ``selector`` replaces the engine's for this call (already bound to
+        ``engine.spec``), ``predict=False`` runs without the predictor, ``observers`` see every
+        cycle, and ``accept_limit`` commits at most that many draft tokens per cycle (greedy only).
+        """
+        ids = self.check_prompt(prompt)
+        limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        check_engine_args(self.model, limit, sampling)
+        if accept_limit is not None:
+            integer("accept_limit", accept_limit, minimum=0)
+            if not (sampling or self.sampling).greedy:
+                raise ConfigError("accept_limit (trace recording) needs greedy decoding (sampling.temperature=0)")
+        if not is_collection(observers) or not all(callable(getattr(o, hook, None)) for o in observers
+                                                   for hook in ("on_prefill", "on_cycle")):
+            raise ConfigError(f"observers={observers!r:.60} must be a list of objects with on_prefill and on_cycle")
+        predictor = self.predictor if predict else None
+        selector = self.selector if selector is None else selector
+        if selector is not self.selector or predictor is not self.predictor:  # checked as the engine's own are
+            check_parts({"selector": selector, "cost_model": self.cost_model, "predictor": predictor})
+        cycle = Cycle(LiveVerifier(self), self.spec, selector, predictor, self.cost_model, accept_limit,
+                      tuple(observers), self.stop_token_ids, self.prefetcher, self.prefetch_sink)
+        sampler = Sampler(sampling or self.sampling)
+        stats = RunStats(prompt_tokens=len(ids), info=dict(self.info))
+        counted = self._prefetch_counters()
+        out: list[int] = []
+        with torch.inference_mode():
+            self.runtime.settle_copies()  # a decode an error cut short left some: counted before this one
+            start = _now(self.device)
+            before_prefill = self.runtime.stats.copy()
+            prefill = self.target.prefill(ids)
+            out.append(sampler.token(prefill.logits[-1], 0))
+            cycle.root_prob = target_prob(prefill.logits[-1], out[-1], sampler)  # the first root's, for estimators
+            cycle.context = TokenContext([*ids, out[-1]])
+            guard.call("drafter", self.drafter, "start", ids, prefill.features, out[-1])
+            if predictor is not None:
+                guard.call("predictor", predictor, "observe", ids, prefill.routing)  # the prompt's routing: a free warm start
+            for observer in cycle.observers:
+                observer.on_prefill(ids, prefill.routing, out[-1])
+            stats.prefill_seconds = _now(self.device) - start
+            self.runtime.settle_copies(landed_only=True)  # the prefill's unwaited copies count in it
+            decode_start = self.runtime.stats.copy()
+            stats.prefill_cache = decode_start.since(before_prefill)
+            while out[-1] not in self.stop_token_ids:
+                context_room = self._context_room(len(ids) + len(out))
+                room = limit - len(out) if context_room is None else min(limit - len(out), context_room)
+                if room <= 0:
+                    break
+                sampler.position = len(out)  # the output index of the first token this cycle decides
+                record, tokens = cycle.run(out[-1], sampler, self.drafter.depth, self.drafter.total_tokens,
+                                           room=context_room, max_commit=room)
+                out.extend(tokens)
+                stats.cycles.append(record)
+            stats.total_seconds = _now(self.device) - start
+            self.runtime.settle_copies()  # copies never waited for: their own time, not their enqueue time
+            stats.cache = self.runtime.stats.since(decode_start)
+        decode_ended(selector)  # what the selector learned is saved between decodes, not between tokens
+        stats.output_tokens = len(out)
+        stats.finish_reason = "stop" if out[-1] in self.stop_token_ids else "length"
+        stats.prefetch_counters = {k: v - counted.get(k, 0) for k, v in self._prefetch_counters().items()}
+        text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else None
+        return GenerationOutput(out, text, stats.summary(), prompt_ids=ids, cycles=stats.cycles,
+                                finish_reason=stats.finish_reason)
+
+    def _prefetch_counters(self) -> dict[str, int]:
+        """The prefetcher's ``counters()`` (none without one), checked: names to integers."""
+        if self.prefetch_sink is None or not callable(getattr(self.prefetcher, "counters", None)):  # optional
+            return {}
+        counts = self.prefetch_sink.call("counters")
+        if not isinstance(counts, dict) or not all(isinstance(k, str) and type(v) is int for k, v in counts.items()):
+            raise guard.violation("prefetch", self.prefetcher, "counters",
+                                  f"must return a dict of names to ints, got {counts!r:.60}")
+        taken = sorted(set(counts) & set(RUNTIME_PREFETCH_COUNTS))
+        if taken:
+            raise guard.violation("prefetch", self.prefetcher, "counters",
+                                  f"names {taken} would replace the runtime's own prefetch_* figures")
+        return counts
+
+    def check_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """The prompt's token ids, or a ConfigError when it is not usable (bad ids, no tokenizer for text,
+        longer than the context limit). Commands call it on every prompt before decoding any."""
+        ids = self._encode(prompt)
+        self._check_prompt_fits(len(ids))
+        return ids
+
+    def _check_prompt_fits(self, prompt_tokens: int) -> None:
+        """A prompt must leave room for at least one new token within the context limit."""
+        limit = self.max_model_len
+        if limit is not None and prompt_tokens >= limit:
+            raise ConfigError(f"the prompt has {prompt_tokens} tokens, but the context limit is "
+                              f"{self.context_source()}: no room for a new token; shorten the prompt")
+
+    def context_source(self) -> str:
+        """The context limit and where it comes from, e.g. ``8 (model.max_model_len=8)``."""
+        limit = self.max_model_len
+        native = _native_context(self.model.config)
+        source = "the model's max_position_embeddings" if limit == native else f"model.max_model_len={limit}"
+        return f"{limit} ({source})"
+
+    def _context_room(self, sequence_tokens: int) -> int | None:
+        """Tokens that may still be committed after ``sequence_tokens`` (prompt + output); None: no limit.
+
+        The newest token sits at position ``sequence_tokens - 1`` and is the root of the next draft
+        tree, so a draft node of depth d would sit at ``sequence_tokens - 1 + d``: depths up to
+        this room keep every verified token inside the context."""
+        return None if self.max_model_len is None else self.max_model_len - sequence_tokens
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("this model has no tokenizer: give the prompt as token ids (prompt_ids=[...])")
+            # the tokenizer's own defaults (BOS where it adds one); not verbose: a prompt past the model's
+            # length gets specfit's one-line error (check_prompt), not also the tokenizer's warning
+            prompt = self.tokenizer(prompt, verbose=False)["input_ids"]
+        # ints only (no floats, bools, strings or nested lists), in the vocabulary, at least one
+        return token_ids("prompt", prompt, self.model.config.vocab_size, allow_empty=False)
+
+
+class LiveVerifier:
+    """The cycle's verifier for live decoding: the drafter grows the tree, the target (through the
+    offload runtime) verifies it, and every time is the wall clock's."""
+
+    measured = True
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.device = engine, engine.device
+        self.target, self.runtime, self.drafter = engine.target, engine.runtime, engine.drafter
+        self._result: PassOutput | None = None
+        self._prefix = 0
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return {}
+
+    def now(self) -> float:
+        return _now(self.device)
+
+    def levels(self, tree: DraftTree) -> Iterator[range]:
+        return guard.drafted_levels(self.drafter, tree, self.engine._vocab)
+
+    def draft_seconds(self, levels: int, elapsed: float, overhead: float) -> float:
+        return elapsed  # everything this cycle has spent so far
+
+    def resident(self) -> np.ndarray:
+        return self.runtime.resident()
+
+    def arriving(self) -> np.ndarray | None:
+        """Seconds until each expert is usable, where the runtime tracks copies in flight."""
+        fn = getattr(self.runtime, "arriving", None)
+        return fn() if fn is not None else None
+
+    def verify(self, block: VerifyBlock) -> Verdict:
+        before = self.runtime.stats.copy()
+        self._prefix = self.target.kv_len
+        self._result = result = self.target.verify(block)
+        during = self.runtime.stats.since(before)
+        return Verdict(result.routing, during.misses, during.hits, [int(u) for u in during.union_sum],
+                       during.h2d_seconds, during.h2d_stall_seconds, self.engine.copies_overlap,
+                       self.engine.stall_measured)
+
+    def token_after(self, block: VerifyBlock, pos: int, sampler: Sampler) -> int:
+        return sampler.token(self._result.logits[pos], sampler.position + block.depths[pos])
+
+    def token_prob(self, block: VerifyBlock, pos: int, token: int, sampler: Sampler) -> float | None:
+        return target_prob(self._result.logits[pos], token, sampler)
+
+    def keep(self, block: VerifyBlock, path: list[int], bonus: int) -> list[int]:
+        self.target.keep(self._prefix, [0] + path)
+        return path
+
+    def commit(self, tokens: list[int], kept: list[int], bonus: int) -> None:
+        features = self._result.features
+        if features is not None and kept != list(range(len(features))):  # rows of a tree pass; a plain pass keeps its one
+            features = features[kept]
+        guard.call("drafter", self.drafter, "commit", tokens, features, bonus)
+
+    def argmax(self) -> list[int]:
+        return self._result.logits.argmax(dim=-1).tolist()
+
+    def times(self, measured: CycleTimes, levels: int, verified: int, verdict: Verdict, overhead: float) -> CycleTimes:
+        return measured
+
+
+def memory_info(runtime: OffloadRuntime, model: nn.Module) -> dict[str, int]:
+    """Where the weights live: the experts' host store (shared: one copy for several engines, counted
+    once however many report it), the device slot pool, and the dense rest."""
+    dense = {id(t): t for t in (*model.parameters(), *model.buffers()) if not t.is_meta}  # tied weights once
+    return {
+        "expert_host_bytes": runtime.store.nbytes,
+        "expert_store_shared": bool(runtime.store.shared),  # one host copy read by several engines (the bench)
+        "expert_device_bytes": runtime.device_bytes,
+        "dense_device_bytes": sum(t.numel() * t.element_size() for t in dense.values()),
+    }
+
+
+def context_limit(config: Any, override: int | None = None) -> int | None:
+    """The most tokens (prompt + output) the target holds: ``max_position_embeddings`` of its config,
+    or a smaller ``override`` (``model.max_model_len``, as in vLLM); None when neither is known."""
+    native = _native_context(config)
+    if override is None:
+        return native
+    integer("model.max_model_len", override, minimum=2)  # a prompt token and a new one
+    if native is not None and override > native:
+        raise ConfigError(f"model.max_model_len={override} exceeds the model's context limit {native} "
+                          f"(max_position_embeddings, with its RoPE scaling)")
+    return override
+
+
+def _native_context(config: Any) -> int | None:
+    """``max_position_embeddings``, extended by a RoPE scaling factor as vLLM derives it (YaRN:
+    ``original_max_position_embeddings x factor``; linear and dynamic: ``max_position_embeddings x factor``)."""
+    native = getattr(config, "max_position_embeddings", None)
+    if not isinstance(native, int) or isinstance(native, bool) or native <= 0:
+        return None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict) or not isinstance(rope.get("factor"), (int, float)):
+        return native
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in ("default", "su", "longrope", "llama3"):
+        return native
+    base = rope.get("original_max_position_embeddings", native) if kind == "yarn" else native
+    return int(base * rope["factor"])
+
+
+def _eos_ids(model: nn.Module, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is None:
+            continue
+        ids |= set(eos) if isinstance(eos, (list, tuple, set)) else {int(eos)}
+    return ids
+
+
+def _now(device: torch.device) -> float:
+    """Wall clock, after the compute stream has finished its queued work (so timings are real).
+    Not the whole device: a device-wide synchronize also waits for the copy stream, so every
+    prefetch issued during drafting would land before drafting went on, overlapping nothing."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return time.perf_counter()

@@ -1,0 +1,1 @@
+"""Expert compute over the device slot pool (loop, grouped, Triton)."""

@@ -1,0 +1,1 @@
+"""Plain data that crosses the plug-in boundary: the draft tree, MoE layout, cycle records, cache counters, cost constants and profiles, acceptance outcomes. Imports only the leaves (errors, validation)."""
