@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from specfit.bench.method_timers import MethodTimers
-from specfit.calibrate.calibration import CostConstants
+from specfit.types.costs import CostConstants
 from specfit.types.context import TokenContext
 from specfit.decode.cycle import Cycle, CycleTimes, Verdict
 from specfit.types.moe import moe_spec

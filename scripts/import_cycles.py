@@ -1,9 +1,8 @@
 """List import cycles between specfit's modules, and import each module fresh.
 
-Only module-level imports count (imports inside functions, or under ``if TYPE_CHECKING``, run
-later and cannot form a loop at import time). Usage: ``python scripts/import_cycles.py [--deferred]
-[--fresh]``; ``--deferred`` also lists the loops that function-level imports close, ``--fresh``
-imports every module in its own interpreter and reports those that fail.
+Every import counts: module level, inside functions and under ``if TYPE_CHECKING`` (a loop that
+only a deferred import closes is a tangle all the same). Usage: ``python scripts/import_cycles.py
+[--fresh]``; ``--fresh`` also imports every module in its own interpreter and reports those that fail.
 """
 
 from __future__ import annotations
@@ -17,42 +16,26 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "specfit"
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path, modules: set[str], deferred: bool = False) -> set[str]:
-    """specfit modules imported when ``path`` is imported (module level, not TYPE_CHECKING);
-    ``deferred``: also those imported inside functions (when they are called)."""
+def imports(path: Path, modules: set[str]) -> set[str]:
+    """specfit modules ``path`` imports anywhere: at module level, inside functions and under
+    ``if TYPE_CHECKING`` alike (a loop closed by a deferred import is still a tangle)."""
     found: set[str] = set()
-
-    def visit(body: list[ast.stmt]) -> None:
-        for node in body:
-            if deferred and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                visit(node.body)
-                continue
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                visit(node.orelse)
-                continue
-            if isinstance(node, (ast.If, ast.Try)):
-                visit(node.body)
-                visit(getattr(node, "orelse", []))
-                for handler in getattr(node, "handlers", []):
-                    visit(handler.body)
-                continue
-            names: list[str] = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            for name in names:
-                while name and name not in modules:  # `from a.b import c`: a.b.c if a module, else a.b
-                    name = name.rpartition(".")[0]
-                if name:
-                    found.add(name)
-
-    visit(ast.parse(path.read_text()).body)
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            while name and name not in modules:  # `from a.b import c`: a.b.c if a module, else a.b
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
     return found
 
 
@@ -99,11 +82,7 @@ def main() -> int:
     for component in found:
         print("cycle:", " <-> ".join(component))
     if not found:
-        print("no import cycles between specfit modules (module-level imports)")
-    if "--deferred" in sys.argv:  # loops closed by imports inside functions: legal, but a tangle
-        graph = {m: imports(p, set(paths), deferred=True) - {m} for m, p in paths.items()}
-        for component in cycles(graph):
-            print("deferred cycle:", " <-> ".join(component))
+        print("no import cycles between specfit modules (every import counted)")
     failed = 0
     if "--fresh" in sys.argv:
         for module in sorted(paths):

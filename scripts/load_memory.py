@@ -29,7 +29,7 @@ import gc, json, sys
 import torch
 torch.set_num_threads(1)
 import specfit
-from specfit.decode.engine import Engine
+from specfit.api import Engine
 
 path, cache, numerics, how = sys.argv[1:5]
 

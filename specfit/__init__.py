@@ -12,21 +12,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from specfit.version import __version__  # noqa: E402
 
 from specfit.interfaces.hookspecs import hookimpl  # noqa: E402  (light: pluggy only)
 
 if TYPE_CHECKING:
     from specfit.api import build
     from specfit.config import compose
-    from specfit.decode.engine import Engine, GenerationOutput
+    from specfit.api import Engine
+    from specfit.decode.engine import GenerationOutput
 
 __all__ = ["Engine", "GenerationOutput", "build", "compose", "hookimpl", "__version__"]
 
 _LAZY = {
     "build": ("specfit.api", "build"),
     "compose": ("specfit.config", "compose"),
-    "Engine": ("specfit.decode.engine", "Engine"),
+    "Engine": ("specfit.api", "Engine"),
     "GenerationOutput": ("specfit.decode.engine", "GenerationOutput"),
 }
 

@@ -9,22 +9,39 @@ from typing import Any, Sequence
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from specfit.calibrate.calibration import (
-    FIT_VERSION, POOR_FIT, acceptance_setup, calibration_path, check_calibration_destination, load_constants,
-    run_calibration, save_constants, setup_differences, stored_fit_version, stored_poor_fit,
+from specfit.types.costs import FIT_VERSION, POOR_FIT, load_constants
+from specfit.calibrate.fingerprint import acceptance_setup
+from specfit.calibrate.store import (
+    calibration_path,
+    check_calibration_destination,
+    save_constants,
+    setup_differences,
+    stored_fit_version,
+    stored_poor_fit,
 )
-from specfit.types.acceptance import attach_acceptance, note_state_file_setup
-from specfit.offload.copy.engines import LinkSettings
-from specfit.decode.engine import Engine, default_device
+from specfit.calibrate.run import run_calibration
+from specfit.calibrate.setup_state import note_state_file_setup
+from specfit.types.link_profiles import LinkSettings
+from specfit.decode.engine import EngineCore, default_device
 from specfit.model.loading import LoadedModel, engine_copy, load_target, share_experts
 from specfit.decode.sampling import SamplingParams
 from specfit.calibrate.setup_state import attach_setup_state
 from specfit.config import check_config, unused_setting_notes
 from specfit.messages import note_once
-from specfit.errors import ConfigError, ModelError
+from specfit.errors import ConfigError, ModelError, PluginError
 from specfit.files import missing_directory
 from specfit.registry import get_plugins
 from specfit.validation import device_arg
+
+
+class Engine(EngineCore):
+    """An offloaded MoE target and its parts (:class:`~specfit.decode.engine.EngineCore`), with the
+    registered defaults (:data:`DEFAULT_PARTS`: drafter ``none``, selector ``eagle3``, cache ``lru``)
+    built for a drafter, selector or cache left out, as :func:`build` does for a config."""
+
+    def __init__(self, model: Any, **parts: Any) -> None:
+        defaults = default_parts(**{kind: parts.get(kind) for kind in DEFAULT_PARTS})
+        super().__init__(model, **{**parts, **defaults})
 
 
 def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, calibrate_now: bool = True,
@@ -47,12 +64,15 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
     parts: dict[str, Any] = {}
     for kind in ("drafter", "selector", "cost_model", "predictor", "cache"):  # before the model: fail fast
         node = cfg.get(kind)
-        if kind == "drafter" and node is not None:
+        if node is None:
+            parts[kind] = None
+        elif kind == "drafter":
             parts[kind] = _drafter_with_model_head(plugins[kind], node, cfg.model.get("draft_head"))
-            continue
-        parts[kind] = plugins[kind].create(node) if node is not None else None
+        elif kind == "selector":  # with the estimator the acceptance group names, for cost-aware selectors
+            parts[kind] = build_selector(node, cfg.get("acceptance"))
+        else:
+            parts[kind] = plugins[kind].create(node)
     parts.update(default_parts(**{k: parts[k] for k in DEFAULT_PARTS}))
-    attach_acceptance(parts["selector"], cfg.get("acceptance"))  # the acceptance group, for cost-aware selectors
     prefetch_cfg = cfg.get("prefetch")  # none (the default) builds no prefetcher: runs stay as they were
     prefetcher = plugins["prefetch"].create(prefetch_cfg) if prefetch_cfg is not None else None
     if prefetcher is not None and prefetcher.name == "none":
@@ -275,3 +295,33 @@ def calibrate(engine: Engine, prompts: Sequence[Any] | None = None, max_new_toke
         report["kept_despite_error"] = True  # asked for (specfit calibrate): automatic runs keep it too
     report["path"] = str(save_constants(path, constants, engine, report))
     return constants, report
+
+
+def build_selector(node: Any, acceptance: Any = None, note: bool = True) -> Any:
+    """The selector a config's ``selector`` group names (``node``), given at construction the
+    acceptance estimator its ``acceptance`` group names (``acceptance``: that group's config, or
+    None: the selector's own ``selector.acceptance``, default ``path_prob``). A selector that takes
+    no estimator (eagle3, chain, none, oracle) ignores the group, and says so on stderr unless
+    ``note`` is False (a second build of the same config, e.g. a replay's warmup).
+
+    ``selector.acceptance=NAME`` is the earlier spelling of ``acceptance=NAME`` and still works;
+    given both, they must agree."""
+    plugins = get_plugins()
+    cls = plugins["selector"].get(node.name).cls
+    if not cls.takes_estimator:
+        if acceptance is not None and note:  # say so: a state_file given there is not read either
+            note_once(f"acceptance={acceptance.get('name')} is not used by selector={node.name} "
+                      "(only the cost-aware selectors, such as specfit, use acceptance estimates)")
+        return plugins["selector"].create(node)
+    own = node.get("acceptance", "path_prob")
+    if acceptance is None:
+        try:
+            estimator = plugins["acceptance"].get(own).cls()
+        except PluginError as exc:
+            raise ConfigError(f"selector.acceptance={own!r}: {exc}") from None
+    else:
+        estimator = plugins["acceptance"].create(acceptance)
+        if own not in ("path_prob", estimator.name):
+            raise ConfigError(f"selector.acceptance={own} and acceptance={estimator.name} disagree "
+                              f"(selector.acceptance is the earlier name of acceptance=...; give one)")
+    return plugins["selector"].create(node, estimator=estimator)

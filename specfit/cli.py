@@ -445,7 +445,7 @@ def _arg_parser(prog: str, description: str):
 
 
 def _report(args: list[str]) -> None:
-    from specfit.report import write_report
+    from specfit.commands.report import write_report
 
     parser = _arg_parser("specfit report", "results.jsonl files or run directories -> report.md and PNG plots")
     parser.add_argument("results", nargs="+", help="results.jsonl files, or directories searched for them (a sweep)")
@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE)
         return
     if args[0] == "--version":
-        from specfit import __version__
+        from specfit.version import __version__
 
         print(f"specfit {__version__}")
         return

@@ -17,14 +17,16 @@ starts, so a mistyped destination costs nothing.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import IO, Any, Callable, Iterable
+from typing import IO, Any, Callable, Iterable, Sequence
 
-from specfit.errors import ConfigError, SpecfitError
+from specfit.errors import ConfigError, ModelError, SpecfitError
 
 
 def check_writable(path: str | Path, key: str, directory: bool = False, label: str | None = None) -> Path:
@@ -252,3 +254,54 @@ def read_json_object(path: Path, where: str, error: type[SpecfitError] = ConfigE
     if not isinstance(raw, dict):
         raise error(f"{where}: holds a JSON {type(raw).__name__}, not an object{suffix}")
     return raw
+
+
+def head_weights_digest(directory: str | None, skip: Sequence[str] = ()) -> str | None:
+    """A short digest of a head directory's weight files (but the names in ``skip``), or None (no
+    directory, no weights).
+
+    Each file's size and its first and last MiB, so a head of gigabytes is not read whole on every
+    build; a retrained head of the same shape differs in both. Cached per (path, size, mtime)."""
+    if not directory:
+        return None
+    folder = Path(directory).expanduser()
+    try:
+        files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt") and p.name not in skip)
+        stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    except OSError:
+        return None
+    return _digest(str(folder.resolve()), stamp) if files else None
+
+
+@functools.lru_cache(maxsize=32)
+def _digest(folder: str, stamp: tuple[tuple[str, int, int], ...]) -> str:
+    h = hashlib.sha1()
+    for name, size, _ in stamp:
+        h.update(f"{name}:{size}".encode())
+        with open(Path(folder) / name, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            if size > 1 << 20:  # the last MiB, or what the first left (a file of 1-2 MiB is read whole)
+                fh.seek(max(1 << 20, size - (1 << 20)))
+                h.update(fh.read())
+    return h.hexdigest()[:12]
+
+
+def check_safetensors(file: Path, what: str = "") -> None:
+    """The header parses and the file is as long as the header says (else: truncated or not safetensors)."""
+    prefix = f"{what}: " if what else ""
+    size = file.stat().st_size
+    with file.open("rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ModelError(f"{prefix}{file.name} is not a safetensors file ({size} bytes, no header)")
+        header_len = int.from_bytes(head, "little")
+        if header_len > size - 8:
+            raise ModelError(f"{prefix}{file.name} is truncated or not a safetensors file "
+                             f"({size} bytes, its header alone claims {header_len})")
+        try:
+            header = json.loads(fh.read(header_len))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+            raise ModelError(f"{prefix}{file.name} is not a safetensors file (unreadable header)") from exc
+    if 8 + header_len + end > size:
+        raise ModelError(f"{prefix}{file.name} is truncated: {size} bytes, its header needs {8 + header_len + end}")

@@ -22,11 +22,12 @@ from typing import Any
 
 import pluggy
 
-from specfit import __version__
+from specfit.version import __version__
 from specfit.messages import one_line_config_error
 from specfit.errors import ConfigError, PluginError, SpecfitError
 from specfit.interfaces import hookspecs
 from specfit.interfaces.configs import CONSUMED_ELSEWHERE, PLUGIN_BASES
+from specfit.interfaces.contracts import check_plugin_instance, remedy
 from specfit.interfaces.protocols import KINDS, contract
 
 ENTRY_POINT_GROUP = "specfit"
@@ -73,37 +74,6 @@ class PluginEntry:
         }
 
 
-def check_plugin_instance(kind: str, obj: Any) -> None:
-    """A plug-in object, before it is bound: every member of its kind's Protocol, attributes included."""
-    if isinstance(obj, type):
-        raise PluginError(f"{kind}={obj.__qualname__} is a class: pass an instance, {obj.__qualname__}(...)")
-    name = getattr(obj, "name", None)
-    missing = [m for m in contract(kind).members if not _has(obj, m)]
-    if not isinstance(name, str):
-        missing.insert(0, "name")
-    abstract = sorted(getattr(type(obj), "__abstractmethods__", ()))
-    if missing or abstract:
-        label = f"'{name}' ({type(obj).__qualname__})" if isinstance(name, str) else type(obj).__qualname__
-        raise PluginError(f"{kind} {label} lacks {', '.join(missing + abstract)} "
-                          f"({_remedy(kind)})")
-
-
-# kind -> the base class whose defaults supply every optional hook
-_BASE_NAMES = {"drafter": "DrafterBase", "selector": "SelectorBase", "cost_model": "CostModelBase",
-               "cache": "ExpertCacheBase", "predictor": "ExpertPredictorBase",
-               "acceptance": "AcceptanceEstimatorBase", "prefetch": "PrefetcherBase"}
-
-
-def _remedy(kind: str) -> str:
-    return (f"subclass specfit.interfaces.{_BASE_NAMES[kind]} for the optional hooks' defaults; "
-            f"the contract: specfit.interfaces.{KINDS[kind].__name__}")
-
-
-def _has(obj: Any, member: str) -> bool:
-    """``hasattr`` without running a property (an uncalibrated cost model's ``constants`` raises)."""
-    return isinstance(inspect.getattr_static(obj, member, None), property) or hasattr(obj, member)
-
-
 def check_plugin_class(kind: str, cls: Any) -> None:
     """Reject a class that does not fulfil its kind's contract, naming what is missing.
 
@@ -119,7 +89,7 @@ def check_plugin_class(kind: str, cls: Any) -> None:
                      | set(getattr(cls, "__abstractmethods__", ())))
     if missing:
         raise PluginError(f"{kind} plugin '{name}' ({cls.__qualname__}) lacks {', '.join(missing)} "
-                          f"({_remedy(kind)})")
+                          f"({remedy(kind)})")
     config = getattr(cls, "Config", None)
     base = PLUGIN_BASES[kind]
     if not (inspect.isclass(config) and dataclasses.is_dataclass(config) and issubclass(config, base)):
@@ -178,8 +148,10 @@ class Registry:
             known = ", ".join(sorted(self.entries)) or "none"
             raise PluginError(f"unknown {self.kind} '{name}' (registered: {known})") from None
 
-    def create(self, cfg: Any) -> Any:
-        """Build the plugin named by ``cfg.name`` from its config (a DictConfig or dataclass).
+    def create(self, cfg: Any, **given: Any) -> Any:
+        """Build the plugin named by ``cfg.name`` from its config (a DictConfig or dataclass);
+        ``given``: further constructor arguments the composition root supplies (a cost-aware
+        selector's ``estimator``).
 
         Every field reaches the plugin (see :func:`constructor_arguments`), and the object is checked
         against its kind's contract before anyone binds it. A bad value raises :class:`ConfigError`
@@ -211,9 +183,9 @@ class Registry:
         passed = constructor_arguments(self.kind, entry.cls, [f.name for f in dataclasses.fields(cfg)])
         try:
             if from_config is not None:
-                part = from_config(cfg)
+                part = from_config(cfg, **given)
             else:
-                part = entry.cls(**{k: getattr(cfg, k) for k in passed})
+                part = entry.cls(**{k: getattr(cfg, k) for k in passed}, **given)
         except SpecfitError:
             raise
         except ValueError as exc:

@@ -13,7 +13,7 @@ from conftest import tiny_model
 from omegaconf import OmegaConf
 
 import specfit
-from specfit.decode.engine import Engine
+from specfit.api import Engine
 from specfit.decode.sampling import SamplingParams
 from specfit.errors import ConfigError, ModelError, PluginError
 
@@ -268,7 +268,7 @@ def test_engine_notes_a_link_no_copy_engine_reads(capsys: pytest.CaptureFixture[
     """link= with copy='torch' changes nothing: said once on stderr (as the config's note does), not
     silently dropped; with copy='emulated', and from build() (which passes the link only to the
     emulated engine), nothing is said."""
-    from specfit.offload.copy.engines import LinkSettings
+    from specfit.types.link_profiles import LinkSettings
 
     Engine(tiny_model(), copy="torch", link=LinkSettings(latency_us=1.0))
     assert "link= sets the emulated link, which only copy='emulated' builds and charges" in capsys.readouterr().err

@@ -353,7 +353,7 @@ def test_bad_file_through_the_api(name, good, tmp_path):
     start = time.monotonic()
     with pytest.raises(case.error) as info:
         if case.api == "report":
-            from specfit.report import read_rows
+            from specfit.commands.report import read_rows
 
             read_rows(args)
         elif case.api == "workload":

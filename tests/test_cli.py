@@ -124,7 +124,7 @@ def test_bench_runs_methods_side_by_side(tmp_path, capsys):
 
 
 def test_bench_warmup_decodes_each_engine_before_the_timed_runs(tmp_path, capsys, monkeypatch):
-    from specfit.decode.engine import Engine
+    from specfit.api import Engine
 
     calls = []
     real = Engine.generate

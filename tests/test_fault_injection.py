@@ -52,7 +52,7 @@ def _resume_args(stderr: str, command: str) -> list[str]:
 
 def _interrupt_after(monkeypatch, completed: int) -> None:
     """Raise KeyboardInterrupt (Ctrl-C) when decode number ``completed + 1`` starts."""
-    from specfit.decode.engine import Engine
+    from specfit.api import Engine
 
     original, calls = Engine.generate, {"n": 0}
 
@@ -230,7 +230,7 @@ def test_load_trace_refuses_a_symlink_out_of_the_folder(reference, tmp_path):
 
 _SLOW_DECODE = """
 import sys, time
-from specfit.decode.engine import Engine
+from specfit.api import Engine
 _generate = Engine.generate
 def generate(self, *args, **kwargs):
     out = _generate(self, *args, **kwargs)

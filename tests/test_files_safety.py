@@ -189,7 +189,7 @@ def test_check_writable_refuses_a_read_only_directory(tmp_path):
 
 
 def test_report_refuses_an_unwritable_output_before_reading(tmp_path):
-    from specfit.report import write_report
+    from specfit.commands.report import write_report
 
     results = tmp_path / "results.jsonl"
     results.write_text(json.dumps({"method": "ar", "output_throughput": 1.0, "num_output_tokens": 1,

@@ -156,7 +156,7 @@ def _add(kind: str, cls: type) -> Registry:
 
 
 def test_a_selector_written_from_the_old_protocol_is_refused_naming_the_hooks_it_lacks():
-    """should_draft, observe_time and requires are part of the contract (SelectorBase has defaults)."""
+    """chooses_among_likeliest, observe_time, requires, should_draft and takes_estimator are part of the contract (SelectorBase has defaults)."""
     class OldStyle:
         name = "old_style"
 
@@ -170,7 +170,7 @@ def test_a_selector_written_from_the_old_protocol_is_refused_naming_the_hooks_it
 
         def observe(self, tree, verified, accepted): ...
 
-    with pytest.raises(PluginError, match=r"selector plugin 'old_style' .* lacks observe_time, requires, should_draft "
+    with pytest.raises(PluginError, match=r"selector plugin 'old_style' .* lacks chooses_among_likeliest, observe_time, requires, should_draft, takes_estimator "
                                           r"\(subclass specfit.interfaces.SelectorBase .*specfit.interfaces.Selector\)"):
         _add("selector", OldStyle)
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from specfit.cli import main
-from specfit.report import run_label, sweep_axes, verify_split, write_report
+from specfit.commands.report import run_label, sweep_axes, verify_split, write_report
 
 BENCH = ["model=tiny", "methods=[ar,eagle3_nocache]", "drafter.top_k=3", "drafter.depth=2", "drafter.total_tokens=4",
          "prompt_ids=[5,17,99]", "max_new_tokens=5", "cache.copy=emulated"]
@@ -20,8 +20,7 @@ BENCH = ["model=tiny", "methods=[ar,eagle3_nocache]", "drafter.top_k=3", "drafte
 
 def captured_plots(monkeypatch) -> dict:
     """The figures the report saves, by file name, and the summary rows its plots were drawn from."""
-    from specfit import report
-
+    from specfit.commands import report
     figures: dict = {}
     save, plots = report._save, report._plots
 
@@ -86,7 +85,7 @@ def test_report_points_a_hydra_style_out_dir_to_its_flag(tmp_path, capsys, monke
 
 def test_a_results_file_reached_twice_is_read_once(tmp_path, monkeypatch):
     """A run directory and its results.jsonl (or one path given twice) count each run once."""
-    from specfit.report import read_rows
+    from specfit.commands.report import read_rows
 
     run = tmp_path / "run"
     run.mkdir()
@@ -98,7 +97,7 @@ def test_a_results_file_reached_twice_is_read_once(tmp_path, monkeypatch):
 
 
 def test_estimator_rows_of_several_traces_say_which_trace():
-    from specfit.report import acceptance_rows
+    from specfit.commands.report import acceptance_rows
 
     def row(trace: str) -> dict:
         return {"command": "replay", "trace": trace, "method": "specfit", "acceptance_estimator": "path_prob",
@@ -182,7 +181,7 @@ def test_prefetch_precision_recall_and_stall_in_the_table():
 def test_breakdown_shows_the_stall_apart_from_compute(tmp_path):
     """An emulated pipelined run: compute is the verification time less the measured stall, not less
     the issued H2D seconds (partly hidden); other runs keep the H2D seconds as the wait."""
-    from specfit.report import verify_split
+    from specfit.commands.report import verify_split
 
     assert verify_split(_prefetch_row("p", 0.05, 8, 6, 2)) == (pytest.approx(0.75), pytest.approx(0.05))
     old = {"verify_compute_seconds": 0.5, "h2d_seconds": 0.3}  # a row from before issue 14

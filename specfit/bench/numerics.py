@@ -77,7 +77,7 @@ class Run:
 
 def numerics_settings() -> list[str]:
     """``model.numerics``' values when this checkout has the setting, else the one ``model.dtype`` gives."""
-    from specfit.config import ModelConfig
+    from specfit.model.config import ModelConfig
 
     has = any(f.name == "numerics" for f in dataclasses.fields(ModelConfig))
     return ["native", "exact"] if has else [DEFAULT_NUMERICS]

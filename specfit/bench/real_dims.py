@@ -145,15 +145,15 @@ def checkpoint_bytes(path: Path) -> int:
 def specfit_settings(device: torch.device, compute: str = "", numerics: str = "") -> dict[str, list[str]]:
     """The ``model.`` settings this checkout has that change the pass: expert compute and numerics.
 
-    Detected from :class:`specfit.config.ModelConfig`, so the harness runs before and after they
+    Detected from :class:`specfit.model.config.ModelConfig`, so the harness runs before and after they
     exist. Expert compute: every implementation but ``auto`` (``triton`` on CUDA only: on a CPU it
     runs only in Triton's interpreter). ``compute`` / ``numerics``: comma lists that keep a subset."""
-    from specfit.config import ModelConfig
+    from specfit.model.config import ModelConfig
 
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     settings: dict[str, list[str]] = {}
     if "expert_compute" in fields:
-        from specfit.offload.compute.base import IMPLEMENTATIONS
+        from specfit.offload.compute.factory import IMPLEMENTATIONS
 
         settings["expert_compute"] = [c for c in IMPLEMENTATIONS if c != "auto" and (c != "triton" or device.type == "cuda")]
     if "numerics" in fields:

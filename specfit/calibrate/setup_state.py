@@ -4,7 +4,7 @@ A draft gate that must first find out whether drafting pays loses on short outpu
 engine pays the cycles it needs to learn. So the gate's decayed statistics and the acceptance
 estimator's state (:meth:`AcceptanceEstimator.state`) are stored beside the calibration, in the
 same folder (``<hash>.selector.json``), and a new engine built by :func:`specfit.build` loads them.
-The hash is of the whole setup (:func:`specfit.calibrate.calibration.setup_fingerprint`); the
+The hash is of the whole setup (:func:`specfit.calibrate.fingerprint.setup_fingerprint`); the
 calibration's leaves out the head's weight values and its probe's use, which costs do not depend on.
 
 The file holds sections, so selectors and estimators of one setup share it without overwriting
@@ -32,7 +32,10 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from specfit.calibrate.calibration import calibration_dir, setup_fingerprint, setup_hash
+from specfit.calibrate.fingerprint import setup_fingerprint, setup_hash
+from specfit.calibrate.store import calibration_dir
+from specfit.errors import ConfigError
+from specfit.messages import note_once
 
 SAVE_INTERVAL = 2.0  # the least seconds between two saves (each at the end of a decode)
 
@@ -80,7 +83,7 @@ class StateKeeper:
             found = True
         return found
 
-    def tick(self) -> None:
+    def cycle_ended(self) -> None:
         """A cycle finished: there is something to save (at the end of the decode)."""
         self.dirty = True
 
@@ -110,13 +113,6 @@ class StateKeeper:
             print(f"specfit: acceptance '{self.estimator.name}' state() is not JSON ({exc}); not saved", file=sys.stderr)
 
 
-def decode_ended(selector: Any) -> None:
-    """The engine's call after each decode, outside its timed span: the selector's keeper may save."""
-    keeper = getattr(selector, "keeper", None)
-    if keeper is not None:
-        keeper.decode_ended()
-
-
 def attach_setup_state(engine: Any) -> StateKeeper | None:
     """Start ``engine``'s selector from this setup's stored state and keep saving what it learns.
 
@@ -125,8 +121,8 @@ def attach_setup_state(engine: Any) -> StateKeeper | None:
     meant to depend on its inputs alone (the same run decides the same anywhere), which state
     carried over from earlier runs would break; it starts fresh."""
     selector = engine.selector
-    estimator = getattr(selector, "estimator", None)
-    if estimator is None or not hasattr(selector, "keeper") or getattr(selector, "draft_time", None) != "measured":
+    estimator = selector.estimator
+    if estimator is None or not selector.takes_estimator or getattr(selector, "draft_time", None) != "measured":
         return None
     # what drafting earns depends on what is verified: the selector and its estimator name the gate's section
     keeper = StateKeeper(state_path(engine), f"{selector.name}/{estimator.name}/{selector.draft_time}",
@@ -134,6 +130,28 @@ def attach_setup_state(engine: Any) -> StateKeeper | None:
     if keeper.gate is None and not keeper.owns_estimator:
         return None
     keeper.load()
-    selector.keeper = keeper
+    engine.add_listener(keeper)  # told of each cycle and decode: saves at a decode's end
     weakref.finalize(selector, keeper.save)
     return keeper
+
+
+def note_state_file_setup(selector: Any, here: dict[str, Any] | None) -> None:
+    """An acceptance model the user named (``acceptance.state_file=FILE``) that was fitted on a
+    trace of another target or head (``here``: this run's :func:`specfit.calibrate.fingerprint.acceptance_setup`,
+    None when unknown) is used as given, but never silently: its estimates are about that setup."""
+    from pathlib import Path
+
+    from specfit.calibrate.fingerprint import differing_keys
+    from specfit.files import read_json_object
+
+    source = getattr(getattr(selector, "estimator", None), "state_file", "auto")
+    if here is None or source == "auto" or not isinstance(source, str) or not Path(source).expanduser().is_file():
+        return  # a missing file or a directory: the estimator's own load names it, with its hint
+    stored = read_json_object(Path(source).expanduser(), f"acceptance.state_file={source}", ConfigError).get("setup")
+    if not isinstance(stored, dict):
+        return  # fitted on a trace that did not record its setup (before 2026-12-07): nothing to compare
+    differs = differing_keys(stored, here)
+    if differs:
+        verb = "differ" if len(differs) > 1 else "differs"
+        note_once(f"acceptance.state_file={source} was fitted on a trace of another setup (its "
+                  f"{' and '.join(differs)} {verb} from this run's); its model is used as given")

@@ -7,7 +7,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from specfit.api import build, calibrate
-from specfit.calibrate.calibration import POOR_FIT
+from specfit.types.costs import POOR_FIT
 from specfit.commands.generate import prompts_of
 from specfit.errors import ConfigError
 from specfit.files import check_results_file, check_writable

@@ -16,7 +16,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specfit.types.acceptance import AcceptanceScore, score, trace_trees
+from specfit.types.acceptance import AcceptanceScore, score
+from specfit.trace.settled import trace_trees
 from specfit.errors import ConfigError
 from specfit.validation import number
 

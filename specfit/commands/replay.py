@@ -18,7 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from specfit.config import override_key
 from specfit.messages import note_once
-from specfit.types.acceptance import attach_acceptance, note_state_file_setup
+from specfit.api import build_selector
+from specfit.calibrate.setup_state import note_state_file_setup
 from specfit.types.cost_profiles import cost_profile
 from specfit.plugins.cost_models.union import OVERRIDES as COST_OVERRIDES
 from specfit.errors import ConfigError
@@ -76,7 +77,9 @@ def replay_config(trace: Trace, cfg: DictConfig, name: str, model: Any, draft_ti
 
     def parts(note: bool = True) -> dict[str, Any]:
         made = {kind: plugins[kind].create(cfg[kind]) if cfg.get(kind) is not None else None
-                for kind in ("selector", "cache", "cost_model", "predictor")}
+                for kind in ("cache", "cost_model", "predictor")}
+        if cfg.get("selector") is not None:  # with the acceptance group's estimator, for cost-aware selectors
+            made["selector"] = build_selector(cfg.selector, None if oracle else cfg.get("acceptance"), note)
         # prefetch: draft-time prefetches on the replay's modelled link (the oracle replays without)
         made["prefetcher"] = plugins["prefetch"].create(cfg.prefetch) if cfg.get("prefetch") is not None and not oracle else None
         if oracle:
@@ -88,7 +91,6 @@ def replay_config(trace: Trace, cfg: DictConfig, name: str, model: Any, draft_ti
 
             made["selector"] = NoDraftSelector()
         if not oracle:  # the oracle knows the outcomes: no estimator, and no note that it uses none
-            attach_acceptance(made["selector"], cfg.get("acceptance"), note)
             note_state_file_setup(made["selector"], trace.meta.info.get("acceptance_setup"))
         if cfg.replay.get("cost_profile") is not None and made["cost_model"] is not None:  # charged and planned with
             made["cost_model"].set_constants(cost_profile(cfg.replay.cost_profile).constants)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from specfit.data.paths import resolve_data_dir
 

@@ -1,6 +1,6 @@
 """One decode cycle: draft -> predict -> select -> verify -> accept -> commit -> observe.
 
-The same code runs live decoding (:class:`specfit.decode.engine.Engine`, against the target and its
+The same code runs live decoding (:class:`specfit.decode.engine.EngineCore`, against the target and its
 offload runtime) and exact trace replay (:mod:`specfit.trace.replay`, against a recorded trace):
 a :class:`Verifier` answers for the target, and everything else (the order of the plug-in
 calls, their guard checks, acceptance, the cycle record) is written once. That is what makes a
@@ -21,8 +21,7 @@ from specfit.types.context import TokenContext
 from specfit.decode.sampling import Sampler
 from specfit.types.stats import CycleRecord, prediction_overlap, waited_copy_seconds
 from specfit.types.tree import DraftTree, VerifyBlock, verify_block
-from specfit.errors import ConfigError, PluginError
-from specfit.validation import is_collection
+from specfit.errors import ConfigError
 from specfit.interfaces import CostModel, ExpertPredictor, Selection, SelectionContext, Selector
 
 
@@ -279,25 +278,6 @@ def target_prob(logits: torch.Tensor, token: int, sampler: Sampler) -> float:
     return float(sampler.probs(logits)[token])
 
 
-def check_parts(parts: dict[str, Any], context: str = "") -> None:
-    """The plug-in instances a cycle runs with: each fulfils its kind's contract, and the selector's
-    ``requires`` (e.g. a cost model and a predictor for cost-aware selectors) are all given."""
-    from specfit.registry import check_plugin_instance
-
-    for kind, part in parts.items():
-        if part is not None:
-            check_plugin_instance(kind, part)
-    selector = parts.get("selector")
-    requires = getattr(selector, "requires", ())
-    if not is_collection(requires):
-        raise PluginError(f"selector '{getattr(selector, 'name', selector)}': requires={requires!r:.40} must be a "
-                          "tuple of part kinds, e.g. ('cost_model', 'predictor')")
-    for needed in requires:
-        if parts.get(needed) is None:
-            raise ConfigError(f"selector={selector.name} needs a {needed}: set {needed}=..."
-                              f" (e.g. {'cost_model=union' if needed == 'cost_model' else 'predictor=history'}){context}")
-
-
 def arriving(verifier: Any) -> np.ndarray | None:
     """Seconds until each expert is usable (the runtime's or a replay's modelled link), for the cost
     model; None when the verifier cannot tell."""
@@ -332,3 +312,10 @@ def report_time(selector: Any, drafted: bool, committed: int, seconds: float) ->
     """Selectors may learn from each finished cycle's time (``observe_time``, optional)."""
     if getattr(selector, "observe_time", None) is not None:
         guard.call("selector", selector, "observe_time", drafted, committed, seconds)
+
+
+def bind_estimator_target(selector: Any, target: Any) -> None:
+    """Give the selector's acceptance estimator (if it owns one) the target: the oracle estimator
+    reads a trace replay's recorded outcomes through it; a live target has none, and it says so."""
+    if selector.estimator is not None:
+        guard.call("acceptance", selector.estimator, "bind_target", target)

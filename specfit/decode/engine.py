@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -19,25 +19,24 @@ from torch import nn
 
 from specfit.messages import note_once
 from specfit.interfaces import guard
-from specfit.types.acceptance import bind_estimator_target
-from specfit.calibrate.calibration import pipelined
+from specfit.decode.cycle import bind_estimator_target
 from specfit.types.context import TokenContext
-from specfit.offload.copy.engines import CopyEngine, LinkSettings, make_copy_engine, waits_measured
-from specfit.decode.cycle import Cycle, CycleObserver, CycleTimes, Verdict, check_parts, target_prob
+from specfit.offload.copy.engines import CopyEngine, make_copy_engine, waits_measured
+from specfit.types.link_profiles import LinkSettings
+from specfit.decode.cycle import Cycle, CycleObserver, CycleTimes, Verdict, target_prob
+from specfit.interfaces.contracts import check_parts
 from specfit.offload.store import HostExpertStore
 from specfit.model.numerics import apply_numerics, check_numerics, map_dense_tensors, numerics_info
 from specfit.offload.runtime import OffloadRuntime
 from specfit.decode.sampling import Sampler, SamplingParams
-from specfit.calibrate.setup_state import decode_ended
 from specfit.types.stats import RUNTIME_PREFETCH_COUNTS, CycleRecord, RunStats
 from specfit.model.target import PassOutput, Target
 from specfit.types.tree import DraftTree, VerifyBlock
 from specfit.errors import ConfigError
 from specfit.offload.prefetch import LiveSink
 from specfit.interfaces import CostModel, Drafter, ExpertCache, ExpertPredictor, Prefetcher, Selector
-from specfit.validation import (
-    check_engine_args, check_plain_engine_args, device_arg, integer, is_collection, token_ids,
-)
+from specfit.decode.args import check_engine_args, check_plain_engine_args
+from specfit.validation import device_arg, integer, is_collection, token_ids
 
 
 @dataclass
@@ -95,13 +94,23 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-class Engine:
+class DecodeListener(Protocol):
+    """Told of the engine's progress; never changes a part or the output."""
+
+    def cycle_ended(self) -> None:
+        """A cycle committed its tokens."""
+
+    def decode_ended(self) -> None:
+        """A decode ended (called outside its timed span)."""
+
+
+class EngineCore:
     """An offloaded MoE target plus its drafter, selector, cost model, predictor and expert cache.
 
-    Building an Engine replaces the model's experts modules with offloaded ones (the model is
-    modified in place) and moves the rest of the model to ``device``. A drafter, selector or cache
-    left out gets the defaults :func:`specfit.api.default_parts` builds (drafter ``none``, selector
-    ``eagle3``, cache ``lru``), as ``specfit.build`` does.
+    Building one replaces the model's experts modules with offloaded ones (the model is modified
+    in place) and moves the rest of the model to ``device``. Every part is given: the engine names
+    no plug-in. :class:`specfit.Engine` (:mod:`specfit.api`) is this class with the registered
+    defaults filled in for a drafter, selector or cache left out.
     """
 
     def __init__(
@@ -130,11 +139,10 @@ class Engine:
     ) -> None:
         check_engine_args(model, max_new_tokens, sampling)
         check_numerics(numerics)
-        if drafter is None or selector is None or cache is None:
-            from specfit.api import default_parts  # the one place that names the defaults
-
-            defaults = default_parts(drafter=drafter, selector=selector, cache=cache)
-            drafter, selector, cache = defaults["drafter"], defaults["selector"], defaults["cache"]
+        missing = [kind for kind, part in (("drafter", drafter), ("selector", selector), ("cache", cache)) if part is None]
+        if missing:
+            raise ConfigError(f"EngineCore needs a {', '.join(missing)}: give one, or use specfit.Engine, "
+                              "which fills the registered defaults")
         check_parts({"drafter": drafter, "selector": selector, "cost_model": cost_model, "predictor": predictor,
                      "cache": cache, "prefetch": prefetcher})
         # every plain argument before the runtime takes the model's experts (it changes the model in place)
@@ -210,10 +218,19 @@ class Engine:
         if prefetcher is not None:  # bound with a live sink: its copies go to the runtime, checked
             self.prefetch_sink = LiveSink(prefetcher, self.runtime, cost_model)
             self.prefetch_sink.call("bind", self.target, self.prefetch_sink)
-        self.copies_overlap = pipelined(self)  # cycles' times then hold the stall, not the issued copies
+        # copies overlap other work and their stall is measured on the host (a prefetcher over the
+        # emulated link, or a CUDA engine with a measuring timing): cycles' times then hold the
+        # stall, not the issued copies
+        self.copies_overlap = prefetcher is not None and prefetcher.name != "none" and waits_measured(self.copy_engine)
+        self.listeners: list[DecodeListener] = []
         self.stall_measured = waits_measured(self.copy_engine)  # its waits are the host's
 
     # ------------------------------------------------------------------ public API
+
+    def add_listener(self, listener: DecodeListener) -> None:
+        """Call ``listener`` after every cycle and at the end of every decode (outside its timed
+        span): e.g. the keeper that saves what a selector learned for the next engine of its setup."""
+        self.listeners.append(listener)
 
     def generate(
         self,
@@ -280,10 +297,13 @@ class Engine:
                                            room=context_room, max_commit=room)
                 out.extend(tokens)
                 stats.cycles.append(record)
+                for listener in self.listeners:
+                    listener.cycle_ended()
             stats.total_seconds = _now(self.device) - start
             self.runtime.settle_copies()  # copies never waited for: their own time, not their enqueue time
             stats.cache = self.runtime.stats.since(decode_start)
-        decode_ended(selector)  # what the selector learned is saved between decodes, not between tokens
+        for listener in self.listeners:  # e.g. what the selector learned is saved between decodes, not tokens
+            listener.decode_ended()
         stats.output_tokens = len(out)
         stats.finish_reason = "stop" if out[-1] in self.stop_token_ids else "length"
         stats.prefetch_counters = {k: v - counted.get(k, 0) for k, v in self._prefetch_counters().items()}
@@ -351,7 +371,7 @@ class LiveVerifier:
 
     measured = True
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineCore) -> None:
         self.engine, self.device = engine, engine.device
         self.target, self.runtime, self.drafter = engine.target, engine.runtime, engine.drafter
         self._result: PassOutput | None = None

@@ -10,8 +10,8 @@
   (and :data:`ACCEPTED_KEY`, a key of its ``extra``), :class:`Admission`;
 - the ``hookimpl`` marker;
 - imported on first use (they pull in torch or the search's compiled code): ``CostConstants``,
-  ``SearchProblem``, ``MoESpec``, ``resolve_capacity`` and ``PrefetchSink`` (what a prefetcher's
-  ``bind`` receives).
+  ``SearchProblem``, ``MoESpec`` and ``resolve_capacity``;
+- :class:`PrefetchSink`, what a prefetcher's ``bind`` receives.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -50,6 +50,7 @@ from specfit.interfaces.protocols import (
     Drafter,
     ExpertCache,
     ExpertPredictor,
+    PrefetchSink,
     Prefetcher,
     Selection,
     SelectionContext,
@@ -58,10 +59,9 @@ from specfit.interfaces.protocols import (
 )
 
 if TYPE_CHECKING:
-    from specfit.calibrate.calibration import CostConstants
+    from specfit.types.costs import CostConstants
     from specfit.types.moe import MoESpec
-    from specfit.offload.runtime import resolve_capacity
-    from specfit.offload.prefetch import PrefetchSink
+    from specfit.types.moe import resolve_capacity
     from specfit.search import SearchProblem
 
 __all__ = [
@@ -109,10 +109,9 @@ __all__ = [
 ]
 
 _LAZY = {
-    "CostConstants": "specfit.calibrate.calibration",
+    "CostConstants": "specfit.calibrate.run",
     "MoESpec": "specfit.types.moe",
-    "PrefetchSink": "specfit.offload.prefetch",
-    "resolve_capacity": "specfit.offload.runtime",
+    "resolve_capacity": "specfit.types.moe",
     "SearchProblem": "specfit.search",
 }
 

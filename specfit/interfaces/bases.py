@@ -18,7 +18,7 @@ from specfit.errors import ConfigError
 from specfit.interfaces.protocols import Admission, Selection, SelectionContext
 
 if TYPE_CHECKING:
-    from specfit.calibrate.calibration import CostConstants
+    from specfit.types.costs import CostConstants
     from specfit.types.moe import MoESpec
     from specfit.search import SearchProblem
 
@@ -51,12 +51,15 @@ class DrafterBase(ABC):
 
 class SelectorBase(ABC):
     """Required: ``select(tree, ctx)``. Defaults: needs no other part (``requires = ()``), may
-    choose any drafted node (``chooses_among_likeliest = False``), ``bind`` does nothing,
+    choose any drafted node (``chooses_among_likeliest = False``), takes no acceptance estimator
+    (``takes_estimator = False``, ``estimator = None``), ``bind`` does nothing,
     ``should_draft()`` is always True, ``observe`` and ``observe_time`` ignore what they are told."""
 
     name: ClassVar[str]
     requires: ClassVar[Sequence[str]] = ()
     chooses_among_likeliest: ClassVar[bool] = False
+    takes_estimator: ClassVar[bool] = False
+    estimator: Any = None
 
     def bind(self, spec: MoESpec) -> None:
         pass
@@ -162,12 +165,15 @@ class ExpertPredictorBase(ABC):
 
 
 class AcceptanceEstimatorBase(ABC):
-    """Required: ``estimate(tree)``. Defaults: ``bind`` does nothing, ``observe`` ignores what it is
-    told, ``state()`` keeps nothing (None) and ``load_state`` ignores what it is given."""
+    """Required: ``estimate(tree)``. Defaults: ``bind`` and ``bind_target`` do nothing, ``observe``
+    ignores what it is told, ``state()`` keeps nothing (None) and ``load_state`` ignores what it is given."""
 
     name: ClassVar[str]
 
     def bind(self, spec: MoESpec) -> None:
+        pass
+
+    def bind_target(self, target: Any) -> None:
         pass
 
     @abstractmethod

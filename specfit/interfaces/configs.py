@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
-from specfit.offload.copy.engines import COPY_KINDS  # cache.copy: the engines it builds
+from specfit.types.link_profiles import COPY_KINDS  # cache.copy: the engines it builds
 from specfit.types.link_profiles import DEFAULT_PROFILE
 from specfit.errors import ConfigError
 from specfit.validation import optional_integer
@@ -93,7 +93,7 @@ class CacheConfig(PluginConfig):
         if self.copy == "emulated":  # the link's settings only matter to the emulated engine
             from dataclasses import asdict
 
-            from specfit.offload.copy.engines import LinkSettings
+            from specfit.types.link_profiles import LinkSettings
 
             link = self.link if isinstance(self.link, LinkConfig) else LinkConfig(**dict(self.link))
             try:

@@ -26,7 +26,7 @@ from specfit.types.tree import DraftTree
 if TYPE_CHECKING:
     import torch
 
-    from specfit.calibrate.calibration import CostConstants
+    from specfit.types.costs import CostConstants
     from specfit.types.moe import MoESpec
     from specfit.search import SearchProblem
 
@@ -158,17 +158,24 @@ class Selection:
 class Selector(Protocol):
     """Chooses the subtree to verify; ``select`` is called after every draft level.
 
-    Optional (defaults in ``SelectorBase``): ``requires`` (none), ``bind``, ``should_draft``
-    (always), ``observe``, ``observe_time``. Optional everywhere: ``chooses_among_likeliest``, a
-    class attribute (False where absent): True when it only ever chooses among the tree's
-    ``ctx.max_nodes`` likeliest nodes by path probability (``tree.top_by_path_prob``), so experts
-    are predicted for those alone (checked after each ``select``).
+    Optional (defaults in ``SelectorBase``): ``requires`` (none), ``chooses_among_likeliest``
+    (False), ``takes_estimator`` (False) and ``estimator`` (None), ``bind``, ``should_draft``
+    (always), ``observe``, ``observe_time``.
     """
 
     name: ClassVar[str]
     # the other parts this selector needs configured, among "cost_model" and "predictor"; the engine
     # and the replay refuse to run without them
     requires: ClassVar[Sequence[str]]
+    # True when it only ever chooses among the tree's ``ctx.max_nodes`` likeliest nodes by path
+    # probability (``tree.top_by_path_prob``), so experts are predicted for those alone (checked
+    # after each ``select``)
+    chooses_among_likeliest: ClassVar[bool]
+    # True when its constructor takes ``estimator=`` (an AcceptanceEstimator): ``specfit.build`` then
+    # builds the one the config's ``acceptance`` group names and passes it in
+    takes_estimator: ClassVar[bool]
+    # the acceptance estimator it owns (None: it uses none); the engine binds it to the target
+    estimator: AcceptanceEstimator | None
 
     def bind(self, spec: MoESpec) -> None:
         """Prepare for a model (``spec``: layers, experts, top-k)."""
@@ -199,15 +206,18 @@ class AcceptanceEstimator(Protocol):
     The selector that owns it calls ``estimate`` after each draft level and ``observe`` after each
     verification; ``state`` / ``load_state`` carry what it learned from one engine to the next of
     the same setup (stored beside the calibration). Optional (defaults in
-    ``AcceptanceEstimatorBase``): ``bind``, ``observe``, ``state`` (nothing to keep), ``load_state``.
-    An estimator that reads the target defines ``bind_target(target)``, called once the engine's
-    or the replay's target exists (the built-in ``oracle`` reads a replay's recorded outcomes).
+    ``AcceptanceEstimatorBase``): ``bind``, ``bind_target`` (nothing), ``observe``, ``state``
+    (nothing to keep), ``load_state``.
     """
 
     name: ClassVar[str]
 
     def bind(self, spec: MoESpec) -> None:
         """Prepare for a model (``spec``: layers, experts, top-k)."""
+
+    def bind_target(self, target: Any) -> None:
+        """Called once the engine's or the replay's target exists, for an estimator that reads it
+        (the built-in ``oracle`` reads a replay's recorded outcomes)."""
 
     def estimate(self, tree: DraftTree) -> np.ndarray:
         """float [len(tree)]: a_v in [0, 1] for every drafted node, known before verification."""
@@ -229,7 +239,7 @@ class AcceptanceEstimator(Protocol):
 
 @runtime_checkable
 class CostModel(Protocol):
-    """Predicts the seconds of a cycle: constants (:class:`specfit.calibrate.calibration.CostConstants`)
+    """Predicts the seconds of a cycle: constants (:class:`specfit.types.costs.CostConstants`)
     measured by ``specfit calibrate`` and a selection problem built from them.
 
     ``specfit.build`` loads or measures the constants of an uncalibrated model (``calibrated`` false)
@@ -297,10 +307,54 @@ class ExpertPredictor(Protocol):
 
 
 @runtime_checkable
+class PrefetchSink(Protocol):
+    """What a prefetcher's ``bind`` receives: the one way it issues expert copies. The runtime's sink
+    (live) and the trace replay's (a modelled link) both check every request before anything
+    moves; a layer or expert out of range is a PluginError naming the prefetcher and its hook."""
+
+    live: bool  # False in a trace replay (no target passes to hook into)
+
+    def prefetch(self, layer: int, experts: Sequence[int], keep: Sequence[int] = ()) -> int:
+        """Ask for ``experts`` of ``layer`` (most wanted first); returns the copies issued. ``keep``:
+        experts worth keeping but not worth a copy: those resident are protected from this
+        request's evictions."""
+
+    def arriving(self) -> np.ndarray | None:
+        """float [layers, experts]: seconds until each expert is usable (0 resident, inf absent); None: unknown."""
+
+    def expert_seconds(self) -> float:
+        """Link seconds of one expert copy (0.0: unknown)."""
+
+    def prefetches_used(self) -> int:
+        """Prefetched experts that a pass computed with, so far."""
+
+    def saved_per_use(self) -> float:
+        """At most the seconds a used prefetch takes off the passes' critical path (0.0: unknown)."""
+
+    def capacity(self) -> int:
+        """Device slots per layer."""
+
+    def layer_seconds(self, tokens: int) -> float:
+        """Compute seconds of one MoE layer in a pass of ``tokens`` tokens (0.0: unknown)."""
+
+    def link_free_in(self) -> float:
+        """Seconds until the link has delivered everything queued (0.0 idle or unknown)."""
+
+    def now(self) -> float:
+        """The sink's clock (live: wall time; replay: the modelled time of the cycle)."""
+
+    def note(self, message: str) -> None:
+        """A one-time remark for the run's output."""
+
+    def run(self, hook: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` as the prefetcher's ``hook``: its requests and errors name that hook."""
+
+
+@runtime_checkable
 class Prefetcher(Protocol):
     """Issues expert copies ahead of need, so transfers overlap drafting and compute.
 
-    ``bind`` hands it the target and a :class:`specfit.offload.prefetch.PrefetchSink`; it prefetches
+    ``bind`` hands it the target and a :class:`PrefetchSink`; it prefetches
     only through ``sink.prefetch(layer, experts)`` (checked: a layer or expert out of range is a
     PluginError naming the prefetcher), from ``after_level`` during drafting or from hooks it sets
     on the target's layers in ``bind`` (live runs only). The cache policy decides what is admitted

@@ -12,7 +12,6 @@ the whole module (:func:`load_checkpoint`) go through transformers' ``from_pretr
 from __future__ import annotations
 
 import functools
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -22,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from specfit.config import ModelConfig
+from specfit.model.config import ModelConfig
 from specfit.model.numerics import check_numerics, dense_dtype, map_dense_tensors
 from specfit.errors import ModelError
-from specfit.files import missing_directory, read_json_object
+from specfit.files import check_safetensors, missing_directory, read_json_object
 from specfit.validation import device_arg
 
 if TYPE_CHECKING:
@@ -445,27 +444,6 @@ def check_weight_files(local: Path, what: str) -> None:
         raise ModelError(f"{what}: no weights there (model.safetensors, {SAFETENSORS_INDEX} or pytorch_model.bin)")
     for file in files:
         check_safetensors(file, what)
-
-
-def check_safetensors(file: Path, what: str = "") -> None:
-    """The header parses and the file is as long as the header says (else: truncated or not safetensors)."""
-    prefix = f"{what}: " if what else ""
-    size = file.stat().st_size
-    with file.open("rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise ModelError(f"{prefix}{file.name} is not a safetensors file ({size} bytes, no header)")
-        header_len = int.from_bytes(head, "little")
-        if header_len > size - 8:
-            raise ModelError(f"{prefix}{file.name} is truncated or not a safetensors file "
-                             f"({size} bytes, its header alone claims {header_len})")
-        try:
-            header = json.loads(fh.read(header_len))
-            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-            raise ModelError(f"{prefix}{file.name} is not a safetensors file (unreadable header)") from exc
-    if 8 + header_len + end > size:
-        raise ModelError(f"{prefix}{file.name} is truncated: {size} bytes, its header needs {8 + header_len + end}")
 
 
 def _config(path: str) -> Any:

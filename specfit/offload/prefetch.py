@@ -66,8 +66,9 @@ class PrefetchCounts:
     issued: int = 0
 
 
-class PrefetchSink:
-    """Checks and forwards one prefetcher's requests; subclasses say where they go.
+class CheckedSink:
+    """Checks and forwards one prefetcher's requests (a :class:`specfit.interfaces.PrefetchSink`);
+    subclasses say where they go.
 
     ``hook`` is the prefetcher hook running now (errors name it); :meth:`run` calls a hook with it
     set, turning an exception into one PluginError.
@@ -176,7 +177,7 @@ class PrefetchSink:
         raise NotImplementedError
 
 
-class LiveSink(PrefetchSink):
+class LiveSink(CheckedSink):
     """Forwards to the offload runtime: real (or emulated-link) copies issued ahead of need."""
 
     live = True
@@ -249,7 +250,7 @@ class LiveSink(PrefetchSink):
         self._layer_ema = compute if self._layer_ema == 0.0 else 0.8 * self._layer_ema + 0.2 * compute
 
 
-class ModelledSink(PrefetchSink):
+class ModelledSink(CheckedSink):
     """A trace replay's prefetch: the real cache policy on the replay's slot map, a modelled FIFO link.
 
     Time is the cycle's modelled time (``at``); a copy issued at ``t`` starts when the link is free

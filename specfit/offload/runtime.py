@@ -36,80 +36,21 @@ from torch import nn
 
 from specfit.messages import note_once
 from specfit.interfaces import guard
-from specfit.offload.compute.base import ExpertCompute, SlotViews, make_expert_compute, slot_views
+from specfit.offload.compute.base import ExpertCompute, SlotViews, slot_views
+from specfit.offload.compute.factory import make_expert_compute
 from specfit.offload.store import HostExpertStore
 from specfit.types.moe import MoESpec, find_experts, moe_spec
 from specfit.errors import ConfigError, ModelError, PluginError
 from specfit.interfaces.bases import ExpertCacheBase
 from specfit.interfaces.protocols import Admission
-from specfit.validation import is_collection, optional_integer
+from specfit.types.stats import CacheStats
+from specfit.validation import is_collection
 
 if TYPE_CHECKING:
     from specfit.offload.copy.engines import CopyEngine, CopyTicket
     from specfit.interfaces.protocols import ExpertCache
 
 _NONE = np.zeros(0, dtype=np.int64)
-
-
-@dataclass
-class CacheStats:
-    """Counters of the expert cache; ``hits + misses`` = distinct experts requested per layer per pass."""
-
-    hits: int = 0
-    misses: int = 0
-    h2d_bytes: int = 0
-    h2d_seconds: float = 0.0
-    copy_calls: int = 0
-    passes: int = 0
-    union_sum: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per layer, summed over passes
-    preload_bytes: int = 0
-    h2d_stall_seconds: float = 0.0  # time compute blocked waiting for copies
-    link_busy_seconds: float = 0.0  # transfer time the link spent (the charges on an emulated link)
-    prefetch_issued: int = 0  # experts copied by prefetch
-    prefetch_used: int = 0  # prefetched experts a pass then computed with before eviction
-    prefetch_wasted: int = 0  # prefetched experts evicted before any pass used them
-    issue_seconds: float = 0.0  # host time in the copy engine's issue calls (a CPU's memcpy; a GPU's launch)
-    # copies timed on the device (CUDA) when a pass waited for them or the decode ended (settle_copies:
-    # a prefetch evicted unused), and their seconds; until then h2d_seconds holds their enqueue time
-    timed_copies: int = 0
-    timed_copy_seconds: float = 0.0
-
-    @property
-    def timed_copy_mean(self) -> float:
-        """Seconds one expert's copy took on the device, over the timed ones (0.0: none timed yet)."""
-        return self.timed_copy_seconds / self.timed_copies if self.timed_copies else 0.0
-
-    def copy(self) -> CacheStats:
-        return dataclasses.replace(self, union_sum=self.union_sum.copy())
-
-    def since(self, earlier: CacheStats) -> CacheStats:
-        """Counters accumulated after ``earlier`` (a copy taken before); ``preload_bytes`` is the
-        run's, not a counter."""
-        return CacheStats(**{f.name: getattr(self, f.name) if f.name == "preload_bytes"
-                             else getattr(self, f.name) - getattr(earlier, f.name) for f in dataclasses.fields(self)})
-
-    def union_per_layer(self) -> np.ndarray:
-        return self.union_sum / max(self.passes, 1)
-
-
-def resolve_capacity(spec: MoESpec, capacity: int | None, capacity_bytes: int | None, default: int) -> int:
-    """Slots per layer from ``cache.capacity`` (experts) or ``cache.capacity_bytes`` (all layers)."""
-    capacity = optional_integer("cache.capacity", capacity, minimum=1)  # a cache built in code is checked here
-    capacity_bytes = optional_integer("cache.capacity_bytes", capacity_bytes, minimum=1)
-    if capacity is not None and capacity_bytes is not None:
-        raise ConfigError("set cache.capacity or cache.capacity_bytes, not both")
-    if capacity_bytes is not None:
-        capacity = int(capacity_bytes) // (spec.expert_bytes * spec.num_layers)
-        source = f"cache.capacity_bytes={capacity_bytes} ({capacity} experts per layer of {spec.expert_bytes} bytes)"
-    elif capacity is not None:
-        source = f"cache.capacity={capacity}"
-    else:
-        capacity, source = default, f"the default capacity {default}"
-    if capacity < spec.top_k:
-        raise ConfigError(
-            f"{source} is below the model's top-k ({spec.top_k}): one token needs {spec.top_k} experts of a layer at once"
-        )
-    return min(int(capacity), spec.num_experts)
 
 
 class OffloadedExperts(nn.Module):

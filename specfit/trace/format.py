@@ -419,7 +419,7 @@ class TraceWriter:
         write_atomic(self.path / _sequence_file(i), lambda f: np.savez(f, **seq.arrays()))
 
     def finish(self, trace: Trace) -> Path:
-        from specfit import __version__
+        from specfit.version import __version__
 
         meta = trace.meta
         meta.sequences = [{"file": _sequence_file(i), "positions": len(seq), "prompt_tokens": int(len(seq.prompt)),

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from specfit.calibrate.calibration import acceptance_setup
+from specfit.calibrate.fingerprint import acceptance_setup
 from specfit.types.tree import DraftTree
 from specfit.errors import ConfigError
 from specfit.interfaces import Selection, SelectionContext, SelectorBase

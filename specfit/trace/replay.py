@@ -29,10 +29,11 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from specfit.interfaces import guard
-from specfit.types.acceptance import bind_estimator_target
-from specfit.calibrate.calibration import CostConstants, load_constants
+from specfit.decode.cycle import bind_estimator_target
+from specfit.types.costs import CostConstants, load_constants
 from specfit.types.context import TokenContext
-from specfit.decode.cycle import Cycle, CycleTimes, Verdict, check_parts
+from specfit.decode.cycle import Cycle, CycleTimes, Verdict
+from specfit.interfaces.contracts import check_parts
 from specfit.offload.runtime import Round, admission_rounds, bind_cache, cache_preload, cache_resident
 from specfit.offload.prefetch import ModelledSink
 from specfit.decode.sampling import Sampler, SamplingParams
@@ -173,7 +174,7 @@ def model_loader(trace: Trace, model_cfg: Any = None) -> Callable[[], Any]:
 
     def load() -> Any:
         if not cache:
-            from specfit.config import ModelConfig
+            from specfit.model.config import ModelConfig
             from specfit.model.loading import load_target
 
             cfg = model_cfg
@@ -509,7 +510,7 @@ def _constants(cost_model: Any, trace: Trace) -> CostConstants:
         raise guard.failure("cost_model", cost_model, "constants", exc) from exc
     if not isinstance(constants, CostConstants):
         raise guard.violation("cost_model", cost_model, "constants",
-                              f"must be a specfit.calibrate.calibration.CostConstants, got {type(constants).__name__}")
+                              f"must be a specfit.types.costs.CostConstants, got {type(constants).__name__}")
     values = {k: getattr(constants, k) for k in ("c0", "c_tok", "c_miss", "c_hit", "c_level", "c_draft0")}
     broken = {k: v for k, v in values.items() if not (isinstance(v, Real) and math.isfinite(v))}
     if broken:

@@ -788,7 +788,7 @@ def acceptance_length(target_dir: str | os.PathLike[str], head_dir: str | os.Pat
     """
     import torch
 
-    from specfit.decode.engine import Engine
+    from specfit.api import Engine
     from specfit.model.loading import load_checkpoint, load_tokenizer
     from specfit.plugins.drafters.eagle3.drafter import Eagle3Drafter
     from specfit.plugins.selectors.eagle3 import TopByPathProbSelector

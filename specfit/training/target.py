@@ -20,7 +20,6 @@ import json
 import math
 import os
 import random
-import shutil
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path

@@ -1,5 +1,4 @@
-"""What every acceptance estimator shares: the outcomes it learns from, how it is scored, how a
-selector gets one.
+"""What every acceptance estimator shares: the outcomes it learns from and how it is scored.
 
 Outcomes. After a greedy pass (``tree.greedy_next`` set) :func:`specfit.types.tree.greedy_outcomes`
 settles most drafted nodes, verified or not; after a sampled pass only the verified nodes are
@@ -18,18 +17,11 @@ scored before the estimator learns from the same tree (prequential), as a live r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from specfit.messages import note_once
-from specfit.interfaces import guard
-from specfit.types.context import TokenContext
 from specfit.types.tree import ROOT, DraftTree, greedy_outcomes
-from specfit.errors import ConfigError, PluginError
-
-if TYPE_CHECKING:
-    from specfit.trace.format import Trace
 
 EPS = 1e-6  # forecasts are clipped to [EPS, 1 - EPS] for the log loss
 BINS = 10  # reliability bins over [0, 1]
@@ -144,24 +136,6 @@ class SettledTree:
     accepted: list[int]
 
 
-def trace_trees(trace: Trace) -> Iterator[SettledTree]:
-    """Every position of every sequence of ``trace``, in recording order: the drafted tree, and the
-    accepted path had the recording's candidates all been verified, with the target's token after
-    it (``greedy_next``), so :func:`settled` knows every outcome the target's argmaxes decide."""
-    for seq in trace.sequences:
-        context = TokenContext([*seq.prompt.tolist(), int(seq.output[0])])
-        for pos in range(len(seq)):
-            if pos:
-                context.extend([int(seq.output[pos])])
-            rec = seq.position(pos)
-            tree = DraftTree(root_token=int(rec.root), context=context.view())
-            for _ in rec.draft(tree):  # with the recorded entropies and root probability
-                pass
-            path = rec.accepted_path()
-            tree.greedy_next = int(rec.argmax[rec.rows([path[-1]])[0]]) if path else int(rec.root_argmax)
-            yield SettledTree(tree, rec.verified.tolist(), path)
-
-
 def score(estimator: Any, trees: Sequence[SettledTree] | Iterator[SettledTree], learn: bool = True) -> AcceptanceScore:
     """The estimator's forecasts over ``trees``, each scored before it learns from that tree
     (``learn=False``: it does not learn, e.g. a model fitted offline on other traces)."""
@@ -178,70 +152,3 @@ def score(estimator: Any, trees: Sequence[SettledTree] | Iterator[SettledTree], 
 # --------------------------------------------------------------------------- building
 
 
-def estimator_named(name: str, key: str = "acceptance") -> Any:
-    """The registered estimator ``name`` with its default settings; an unknown name is a
-    ConfigError naming ``key`` and the registered names."""
-    from specfit.registry import get_plugins
-
-    try:
-        return get_plugins()["acceptance"].get(name).cls()
-    except PluginError as exc:
-        raise ConfigError(f"{key}={name!r}: {exc}") from None
-
-
-def bind_estimator_target(selector: Any, target: Any) -> None:
-    """Give the selector's estimator the target, if it reads one (optional ``bind_target``: the
-    oracle estimator reads a trace replay's recorded outcomes through it; a live target has none,
-    and it says so)."""
-    estimator = getattr(selector, "estimator", None)
-    if estimator is not None and hasattr(estimator, "bind_target"):
-        guard.call("acceptance", estimator, "bind_target", target)
-
-
-def attach_acceptance(selector: Any, node: Any, note: bool = True) -> None:
-    """Give ``selector`` the estimator the config's ``acceptance`` group names (``node``: that
-    group's config, or None to keep the selector's own). Selectors that use no acceptance
-    estimates (no ``set_acceptance``: eagle3, chain, none, oracle) ignore the group, and say so
-    on stderr unless ``note`` is False (a second build of the same config, e.g. a replay's warmup).
-
-    ``selector.acceptance=NAME`` is the earlier spelling of ``acceptance=NAME`` and still works;
-    given both, they must agree."""
-    if node is None:
-        return
-    if getattr(selector, "set_acceptance", None) is None:  # say so: a state_file given here is not read either
-        if not note:
-            return
-        name = node.get("name") if hasattr(node, "get") else None
-        note_once(f"acceptance={name} is not used by selector={guard.plugin_name(selector)} "
-                  "(only the cost-aware selectors, such as specfit, use acceptance estimates)")
-        return
-    from specfit.registry import get_plugins
-
-    estimator = get_plugins()["acceptance"].create(node)
-    own = getattr(selector, "acceptance", "path_prob")
-    if own not in ("path_prob", estimator.name):
-        raise ConfigError(f"selector.acceptance={own} and acceptance={estimator.name} disagree "
-                          f"(selector.acceptance is the earlier name of acceptance=...; give one)")
-    selector.set_acceptance(estimator)
-
-
-def note_state_file_setup(selector: Any, here: dict[str, Any] | None) -> None:
-    """An acceptance model the user named (``acceptance.state_file=FILE``) that was fitted on a
-    trace of another target or head (``here``: this run's :func:`specfit.calibrate.calibration.acceptance_setup`,
-    None when unknown) is used as given, but never silently: its estimates are about that setup."""
-    from pathlib import Path
-
-    from specfit.calibrate.calibration import differing_keys
-    from specfit.files import read_json_object
-
-    source = getattr(getattr(selector, "estimator", None), "state_file", "auto")
-    if here is None or source == "auto" or not isinstance(source, str) or not Path(source).expanduser().is_file():
-        return  # a missing file or a directory: the estimator's own load names it, with its hint
-    stored = read_json_object(Path(source).expanduser(), f"acceptance.state_file={source}", ConfigError).get("setup")
-    if not isinstance(stored, dict):
-        return  # fitted on a trace that did not record its setup (before 2026-12-07): nothing to compare
-    differs = differing_keys(stored, here)
-    if differs:
-        verb = "differ" if len(differs) > 1 else "differs"
-        note_once(f"acceptance.state_file={source} was fitted on a trace of another setup (its "
-                  f"{' and '.join(differs)} {verb} from this run's); its model is used as given")

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specfit.calibrate.calibration import CostConstants
+from specfit.types.costs import CostConstants
 from specfit.types.link_profiles import _PCIE4_GBPS, _PCIE5_GBPS
 from specfit.errors import ConfigError
 

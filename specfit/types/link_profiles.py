@@ -24,7 +24,9 @@ by driver/launch overhead rather than the link.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping
 
 BF16_BYTES = 2
 
@@ -88,3 +90,58 @@ def get_profile(name: str) -> LinkProfile:
         raise UnknownLinkProfileError(
             f"unknown link profile {name!r} (cache.link.profile); known profiles: {known}"
         ) from None
+
+
+COPY_KINDS = ("triton", "torch", "emulated")
+
+
+MIN_LINK_GBPS = 1e-3
+
+
+MAX_LINK_LATENCY_US = 1e6
+
+
+@dataclass
+class LinkSettings:
+    """Emulated-link settings (``cache.link``): a named profile, with explicit values overriding it.
+
+    ``bandwidth_gbps`` is in GB/s (1e9 bytes/s), ``latency_us`` in microseconds per call (one
+    batched transfer launch), ``ref_expert_bytes`` the reference model's expert size; when it
+    resolves to None the real expert bytes are charged.
+    """
+
+    profile: str | None = DEFAULT_PROFILE
+    bandwidth_gbps: float | None = None
+    latency_us: float | None = None
+    ref_expert_bytes: int | None = None
+
+    def resolve(self) -> tuple[float, float, int | None]:
+        """Return ``(bandwidth_gbps, latency_us, ref_expert_bytes)`` after applying the profile."""
+        prof = get_profile(self.profile) if self.profile else None
+        bw = self.bandwidth_gbps if self.bandwidth_gbps is not None else (prof.bandwidth_gbps if prof else None)
+        lat = self.latency_us if self.latency_us is not None else (prof.latency_us if prof else 0.0)
+        ref = self.ref_expert_bytes if self.ref_expert_bytes is not None else (prof.ref_expert_bytes if prof else None)
+        if bw is None:
+            raise ValueError("cache.link.bandwidth_gbps is required when cache.link.profile is null")
+        if not 0 < bw < math.inf:
+            raise ValueError(f"cache.link.bandwidth_gbps must be a finite number > 0, got {bw}")
+        if bw < MIN_LINK_GBPS:  # the emulated link waits in wall-clock time: a run would seem to hang
+            raise ValueError(f"cache.link.bandwidth_gbps={bw:g} is below {MIN_LINK_GBPS} GB/s (1 MB/s): one expert "
+                             "copy would take seconds to hours, waited in wall-clock time")
+        if not 0 <= lat < math.inf:
+            raise ValueError(f"cache.link.latency_us must be a finite number >= 0, got {lat}")
+        if lat > MAX_LINK_LATENCY_US:
+            raise ValueError(f"cache.link.latency_us={lat:g} is above {MAX_LINK_LATENCY_US:g} (1 s) per copy, waited in "
+                             "wall-clock time")
+        if ref is not None and ref <= 0:
+            raise ValueError(f"cache.link.ref_expert_bytes must be > 0 (or null), got {ref}")
+        return float(bw), float(lat), (int(ref) if ref is not None else None)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> LinkSettings:
+        """Build from a config mapping (e.g. a Hydra ``cache.link`` node); unknown keys are errors."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown cache.link key(s) {unknown}; valid keys: {sorted(known)}")
+        return cls(**dict(data))

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specfit.errors import ModelError
+from specfit.errors import ConfigError, ModelError
+from specfit.validation import optional_integer
 
 #: Architectures whose experts follow the fused interface the slot kernels implement (tested ones).
 SUPPORTED = "Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, DeepSeek-V2/V3, gpt-oss, Qwen3-Next (autoregressive only)"
@@ -209,3 +210,23 @@ def moe_spec(model: nn.Module, experts: list[tuple[str, nn.Module]] | None = Non
         decoder_layers=tuple(layers),
         layout=layout,
     )
+
+
+def resolve_capacity(spec: MoESpec, capacity: int | None, capacity_bytes: int | None, default: int) -> int:
+    """Slots per layer from ``cache.capacity`` (experts) or ``cache.capacity_bytes`` (all layers)."""
+    capacity = optional_integer("cache.capacity", capacity, minimum=1)  # a cache built in code is checked here
+    capacity_bytes = optional_integer("cache.capacity_bytes", capacity_bytes, minimum=1)
+    if capacity is not None and capacity_bytes is not None:
+        raise ConfigError("set cache.capacity or cache.capacity_bytes, not both")
+    if capacity_bytes is not None:
+        capacity = int(capacity_bytes) // (spec.expert_bytes * spec.num_layers)
+        source = f"cache.capacity_bytes={capacity_bytes} ({capacity} experts per layer of {spec.expert_bytes} bytes)"
+    elif capacity is not None:
+        source = f"cache.capacity={capacity}"
+    else:
+        capacity, source = default, f"the default capacity {default}"
+    if capacity < spec.top_k:
+        raise ConfigError(
+            f"{source} is below the model's top-k ({spec.top_k}): one token needs {spec.top_k} experts of a layer at once"
+        )
+    return min(int(capacity), spec.num_experts)

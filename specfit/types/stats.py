@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
-from specfit.offload.runtime import CacheStats
 from specfit.types.tree import DraftTree, VerifyBlock
 
 
@@ -50,7 +50,7 @@ class CycleRecord:
     prediction: tuple[int, int, int] | None = None
     h2d_stall_seconds: float = 0.0  # time the verification pass blocked on copies (calibration's overlap)
     # the copies overlapped other work (prefetch on a link whose waits the host measures): the pass's
-    # time holds h2d_stall_seconds of copying, not h2d_seconds (see specfit.calibrate.calibration)
+    # time holds h2d_stall_seconds of copying, not h2d_seconds (see specfit.calibrate.run)
     copies_overlap: bool = False
     # h2d_stall_seconds is what the pass waited, measured by the host (an emulated link's waits): the
     # pass's time holds it, not h2d_seconds, even without prefetch (pipelined rounds hide copies too)
@@ -183,3 +183,44 @@ def _prediction_summary(cycles: Sequence[CycleRecord]) -> dict[str, Any]:
         "predictor_precision": correct / predicted if predicted else 0.0,
         "predictor_recall": correct / routed if routed else 0.0,
     }
+
+
+@dataclass
+class CacheStats:
+    """Counters of the expert cache; ``hits + misses`` = distinct experts requested per layer per pass."""
+
+    hits: int = 0
+    misses: int = 0
+    h2d_bytes: int = 0
+    h2d_seconds: float = 0.0
+    copy_calls: int = 0
+    passes: int = 0
+    union_sum: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per layer, summed over passes
+    preload_bytes: int = 0
+    h2d_stall_seconds: float = 0.0  # time compute blocked waiting for copies
+    link_busy_seconds: float = 0.0  # transfer time the link spent (the charges on an emulated link)
+    prefetch_issued: int = 0  # experts copied by prefetch
+    prefetch_used: int = 0  # prefetched experts a pass then computed with before eviction
+    prefetch_wasted: int = 0  # prefetched experts evicted before any pass used them
+    issue_seconds: float = 0.0  # host time in the copy engine's issue calls (a CPU's memcpy; a GPU's launch)
+    # copies timed on the device (CUDA) when a pass waited for them or the decode ended (settle_copies:
+    # a prefetch evicted unused), and their seconds; until then h2d_seconds holds their enqueue time
+    timed_copies: int = 0
+    timed_copy_seconds: float = 0.0
+
+    @property
+    def timed_copy_mean(self) -> float:
+        """Seconds one expert's copy took on the device, over the timed ones (0.0: none timed yet)."""
+        return self.timed_copy_seconds / self.timed_copies if self.timed_copies else 0.0
+
+    def copy(self) -> CacheStats:
+        return dataclasses.replace(self, union_sum=self.union_sum.copy())
+
+    def since(self, earlier: CacheStats) -> CacheStats:
+        """Counters accumulated after ``earlier`` (a copy taken before); ``preload_bytes`` is the
+        run's, not a counter."""
+        return CacheStats(**{f.name: getattr(self, f.name) if f.name == "preload_bytes"
+                             else getattr(self, f.name) - getattr(earlier, f.name) for f in dataclasses.fields(self)})
+
+    def union_per_layer(self) -> np.ndarray:
+        return self.union_sum / max(self.passes, 1)

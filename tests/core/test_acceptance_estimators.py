@@ -15,10 +15,9 @@ from scipy.stats import chisquare
 from specfit import Engine
 from specfit.config import compose
 from specfit.decode.acceptance import accept
-from specfit.types.acceptance import (
-    SettledTree, attach_acceptance, conditional, greedy_settled, score, settled,
-)
-from specfit.calibrate.calibration import CostConstants
+from specfit.types.acceptance import SettledTree, conditional, greedy_settled, score, settled
+from specfit.api import build_selector
+from specfit.types.costs import CostConstants
 from specfit.decode.sampling import Sampler, SamplingParams
 from specfit.calibrate.setup_state import attach_setup_state, state_path
 from specfit.types.tree import DraftTree, greedy_outcomes, verify_block
@@ -80,18 +79,15 @@ def test_estimators_are_registered_and_listed(capsys):
 
 
 def selector_for(cfg):
-    selector = get_plugins()["selector"].create(cfg.selector)
-    attach_acceptance(selector, cfg.get("acceptance"))
-    return selector
+    return build_selector(cfg.selector, cfg.get("acceptance"))
 
 
 def test_the_acceptance_group_reaches_the_selector_with_its_settings(capsys):
     selector = selector_for(compose([*SPECFIT, "acceptance=learned", "acceptance.prior_strength=5"]))
     assert isinstance(selector.estimator, LearnedAcceptance) and selector.estimator.prior_strength == 5
     assert isinstance(selector_for(compose(SPECFIT)).estimator, PathProbAcceptance)  # the default
-    eagle3 = get_plugins()["selector"].create(compose(["model=tiny", "acceptance=learned"]).selector)
-    attach_acceptance(eagle3, compose(["model=tiny", "acceptance=learned"]).acceptance)  # ignored: no estimates used
-    assert not hasattr(eagle3, "estimator")
+    eagle3 = selector_for(compose(["model=tiny", "acceptance=learned"]))  # ignored: no estimates used
+    assert eagle3.estimator is None
     assert "note: acceptance=learned is not used by selector=eagle3" in capsys.readouterr().err  # said, not silent
     assert "acceptance=calibrated" in compose([]).method_presets["specfit_calibrated"]
 
@@ -102,8 +98,10 @@ def test_selector_acceptance_is_the_earlier_spelling_of_the_group():
     assert isinstance(agreeing.estimator, LearnedAcceptance)
     with pytest.raises(ConfigError, match="selector.acceptance=calibrated and acceptance=learned disagree"):
         selector_for(compose([*SPECFIT, "selector.acceptance=calibrated", "acceptance=learned"]))
-    with pytest.raises(ConfigError, match="selector.acceptance='foo'.*registered: calibrated, learned, oracle, path_prob"):
+    with pytest.raises(ConfigError, match="selector.acceptance='foo'.*built in: calibrated, learned, oracle, path_prob"):
         SpecFitSelector(acceptance="foo")
+    with pytest.raises(ConfigError, match="selector.acceptance='foo'.*registered: calibrated, learned, oracle, path_prob"):
+        selector_for(compose([*SPECFIT, "selector.acceptance=foo"]))
     with pytest.raises(ConfigError, match="acceptance"):
         compose([*SPECFIT, "acceptance=foo"])
     with pytest.raises(ConfigError, match="acceptance.forget"):
@@ -346,7 +344,7 @@ def test_a_new_engine_of_the_setup_starts_from_the_gate_and_estimator_it_left():
     ref = reference()
     first = engine_with("learned", ref)
     keeper = attach_setup_state(first)
-    assert keeper is not None and first.selector.keeper is keeper
+    assert keeper is not None and keeper in first.listeners
     first.generate(PROMPT, max_new_tokens=20)
     gate = first.selector.gate
     gate.skip_left, gate.backoff = 4, 8  # as if drafting had lost: the next cycles skip it
@@ -383,7 +381,10 @@ def test_build_attaches_the_setup_state():
     cfg = compose([*SPECFIT, "drafter=none", "cost_model.c0=0.002", "cost_model.c_tok=0.0001",
                    "cost_model.c_miss=0.0004", "cost_model.c_hit=0.00002", "acceptance=learned"])
     engine = specfit.build(cfg)
-    assert engine.selector.keeper is not None and isinstance(engine.selector.estimator, LearnedAcceptance)
+    from specfit.calibrate.setup_state import StateKeeper
+
+    assert any(isinstance(listener, StateKeeper) for listener in engine.listeners)
+    assert isinstance(engine.selector.estimator, LearnedAcceptance)
 
 
 def test_a_broken_estimator_is_named():
@@ -396,13 +397,12 @@ def test_a_broken_estimator_is_named():
         def estimate(self, tree):
             return np.full(len(tree), 1.5)
 
-    selector = SpecFitSelector()
-    selector.set_acceptance(Overconfident())
+    selector = SpecFitSelector(estimator=Overconfident())
     tree = random_tree(np.random.default_rng(6))
     with pytest.raises(PluginError, match=r"acceptance 'overconfident' \(estimate\) returned .* values in \[1.5, 1.5\]"):
         selector.accept_estimates(tree)
-    with pytest.raises(PluginError, match="acceptance object lacks name, bind, estimate"):
-        selector.set_acceptance(object())
+    with pytest.raises(PluginError, match="acceptance object lacks name, bind, bind_target, estimate"):
+        SpecFitSelector(estimator=object())
 
 
 def test_the_state_is_saved_between_decodes_never_between_cycles():
@@ -436,7 +436,7 @@ def test_a_state_that_is_not_json_is_one_line_not_an_error(tmp_path, capsys):
             return {"x": object()}
 
     keeper = StateKeeper(tmp_path / "s.json", "specfit/odd/measured", None, Odd())
-    keeper.tick()  # marks it dirty; the interval has not passed
+    keeper.cycle_ended()  # marks it dirty; the interval has not passed
     keeper.save()
     assert "acceptance 'odd' state() is not JSON" in capsys.readouterr().err and not (tmp_path / "s.json").exists()
 

@@ -15,7 +15,7 @@ from conftest import tiny_model
 from drafters import ScriptedDrafter
 
 from specfit import Engine
-from specfit.calibrate.calibration import CostConstants
+from specfit.types.costs import CostConstants
 from specfit.decode.sampling import Sampler, SamplingParams
 from specfit.types.tree import ROOT, DraftTree
 from specfit.interfaces import Selection, SelectorBase

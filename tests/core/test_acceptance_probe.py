@@ -183,7 +183,7 @@ def test_the_folded_forward_equals_the_standardised_score():
 
 
 def test_learned_with_the_probe_leaves_greedy_and_seeded_sampled_output_unchanged(tmp_path, monkeypatch):
-    from specfit.calibrate.calibration import CostConstants
+    from specfit.types.costs import CostConstants
     from specfit.plugins.acceptance import learned
     from specfit.decode.sampling import SamplingParams
     from specfit.plugins.cost_models.union import UnionCostModel
@@ -255,7 +255,7 @@ def test_a_format_2_trace_loads_with_unknown_logits_and_replays_as_recorded(tmp_
 
 
 def test_a_probe_left_unused_is_another_setup(tmp_path):
-    from specfit.calibrate.calibration import setup_fingerprint
+    from specfit.calibrate.fingerprint import setup_fingerprint
 
     head_dir, _ = _head_dir(tmp_path)
 
@@ -298,7 +298,8 @@ def test_a_probe_beside_other_weights_than_it_was_fit_on_is_refused(tmp_path):
 def test_fitting_a_probe_keeps_the_calibration_and_starts_the_learned_state_again(tmp_path, monkeypatch):
     """Costs do not depend on the head's weight values or its probe; what the gate and estimator
     learned does: the calibration's file stays, the state's file is another."""
-    from specfit.calibrate.calibration import calibration_path, cost_fingerprint
+    from specfit.calibrate.store import calibration_path
+    from specfit.calibrate.fingerprint import cost_fingerprint
     from specfit.calibrate.setup_state import state_path
 
     monkeypatch.setenv("SPECFIT_HOME", str(tmp_path / "home"))

@@ -10,7 +10,8 @@ from conftest import tiny_model
 
 from specfit import Engine
 from specfit.offload.copy import engines as copy_engines
-from specfit.offload.copy.engines import CopyTicket, EmulatedLinkEngine, LinkSettings, TorchCopyEngine
+from specfit.offload.copy.engines import CopyTicket, EmulatedLinkEngine, TorchCopyEngine
+from specfit.types.link_profiles import LinkSettings
 from specfit.plugins.caches.lru import LRUCache
 
 MS = 1e-3

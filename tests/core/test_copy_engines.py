@@ -17,11 +17,11 @@ from specfit.offload.copy.engines import (
     CopyEngine,
     CopyRecord,
     EmulatedLinkEngine,
-    LinkSettings,
     TorchCopyEngine,
     TritonCopyEngine,
     make_copy_engine,
 )
+from specfit.types.link_profiles import LinkSettings
 from specfit.types.link_profiles import PROFILES, UnknownLinkProfileError, get_profile
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from specfit.calibrate.calibration import CostConstants
+from specfit.types.costs import CostConstants
 from specfit.types.moe import MoESpec
-from specfit.search import SearchProblem, evaluate
+from specfit.search import evaluate
 from specfit.search.bruteforce import brute_force
 from specfit.search.exact import greedy, solve
 from specfit.search.synthetic import random_small_problem
@@ -159,7 +159,7 @@ def cycles(stall_share: float | None, rng: np.random.Generator, n: int = 24) -> 
 
 
 def test_calibration_fits_the_overlap_it_observes() -> None:
-    from specfit.calibrate.calibration import fit_constants
+    from specfit.types.costs import fit_constants
 
     records = cycles(0.25, np.random.default_rng(3))
     pipelined = fit_constants(records, overlap=True)
@@ -181,7 +181,7 @@ def test_without_prefetch_a_measured_wait_keeps_hidden_copies_out_of_the_compute
     """Pipelined rounds hide a quarter of each cycle's copies without any prefetch. Where the host
     measured the waits (stall_measured: an emulated link) the compute constants come out exact and
     c_copy stays the copies' own time; read as before, hidden copies passed for faster compute."""
-    from specfit.calibrate.calibration import fit_constants
+    from specfit.types.costs import fit_constants
     from specfit.types.stats import waited_copy_seconds
 
     records = cycles(0.75, np.random.default_rng(5))  # the pass waited 3/4 of its copies
@@ -205,7 +205,7 @@ def test_records_say_their_copies_overlapped_and_the_online_refit_and_sink_read_
     from conftest import tiny_model
 
     from specfit import Engine
-    from specfit.calibrate.calibration import fit_constants
+    from specfit.types.costs import fit_constants
     from specfit.types.stats import visible_copy_seconds
     from specfit.plugins.caches.lru import LRUCache
     from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher
@@ -245,18 +245,19 @@ def test_a_pipelined_calibration_reports_its_overlap_and_names_the_prefetcher() 
     from conftest import tiny_model
 
     from specfit import Engine
-    from specfit.calibrate.calibration import pipelined, run_calibration, setup_fingerprint
+    from specfit.calibrate.run import run_calibration
+    from specfit.calibrate.fingerprint import setup_fingerprint
     from specfit.plugins.caches.lru import LRUCache
     from specfit.plugins.prefetchers.lookahead import LookaheadPrefetcher
     from specfit.plugins.selectors.none import NoDraftSelector
 
     engine = Engine(tiny_model(), cache=LRUCache(capacity=3), selector=NoDraftSelector(), copy="emulated",
                     prefetcher=LookaheadPrefetcher(), device="cpu")
-    assert pipelined(engine) and setup_fingerprint(engine)["prefetch"] == "lookahead"
+    assert engine.copies_overlap and setup_fingerprint(engine)["prefetch"] == "lookahead"
     prompts = [[5, 17, 99, 3], [42, 8, 120, 77], [9, 10, 11, 12]]
     constants, report = run_calibration(engine, prompts, max_new_tokens=6)
     # hidden share of the link time: at most all of it (below 0 only when a loaded host oversleeps)
     assert math.isfinite(report["copy_overlap"]) and report["copy_overlap"] <= 1.0
     assert all(math.isfinite(v) and v >= 0 for v in (constants.c0, constants.c_tok, constants.c_hit, constants.c_miss))
     plain = Engine(tiny_model(), cache=LRUCache(capacity=3), selector=NoDraftSelector(), copy="emulated", device="cpu")
-    assert not pipelined(plain) and "prefetch" not in setup_fingerprint(plain)
+    assert not plain.copies_overlap and "prefetch" not in setup_fingerprint(plain)

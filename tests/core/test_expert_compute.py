@@ -12,8 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from specfit import Engine
 from specfit.offload.copy.engines import make_copy_engine
-from specfit.offload.compute.base import check_expert_compute, resolve, triton_available
-from specfit.offload.store import HostExpertStore
+from specfit.offload.compute.factory import check_expert_compute, resolve, triton_available
 from specfit.types.moe import find_experts, moe_spec
 from specfit.offload.runtime import OffloadRuntime
 from specfit.errors import ConfigError, ModelError

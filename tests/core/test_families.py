@@ -180,7 +180,7 @@ def test_gpt_oss_tree_verification_matches_hf_generate(cache):
 
 
 def test_qwen3_next_checkpoint_streams_and_decodes_like_hf(tmp_path):
-    from specfit.config import ModelConfig
+    from specfit.model.config import ModelConfig
     from specfit.model.loading import load_target
 
     model("tiny-qwen3-next").save_pretrained(tmp_path)
@@ -192,7 +192,7 @@ def test_qwen3_next_checkpoint_streams_and_decodes_like_hf(tmp_path):
 def test_gpt_oss_bf16_checkpoint_runs_speculation_identical_to_ar(tmp_path):
     """From bf16 weights (numerics=exact: experts stay bf16, the rest computes in float32): AR equals
     HF generate of the same weights in float32, and tree verification equals AR."""
-    from specfit.config import ModelConfig
+    from specfit.model.config import ModelConfig
     from specfit.model.loading import load_target
 
     model("tiny-gpt-oss").to(torch.bfloat16).save_pretrained(tmp_path)
@@ -213,7 +213,7 @@ def test_gpt_oss_bf16_checkpoint_runs_speculation_identical_to_ar(tmp_path):
 
 
 def test_gpt_oss_checkpoint_with_sdpa_is_refused_naming_the_key(tmp_path):
-    from specfit.config import ModelConfig
+    from specfit.model.config import ModelConfig
     from specfit.model.loading import load_target
 
     model("tiny-gpt-oss").save_pretrained(tmp_path)
@@ -226,7 +226,7 @@ def test_gpt_oss_checkpoint_with_sdpa_is_refused_naming_the_key(tmp_path):
 @pytest.mark.parametrize("predictor", ["history", "router_probe"])
 def test_gpt_oss_specfit_selector_matches_hf_generate(predictor):
     """SpecFit's cost-aware selection on gpt-oss (its router is `mlp.router`, with a bias)."""
-    from specfit.calibrate.calibration import CostConstants
+    from specfit.types.costs import CostConstants
     from specfit.plugins.cost_models.union import UnionCostModel
     from specfit.plugins.predictors.history import HistoryPredictor
     from specfit.plugins.predictors.router_probe import RouterProbePredictor

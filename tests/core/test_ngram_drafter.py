@@ -10,7 +10,7 @@ from conftest import tiny_model
 
 import specfit
 from specfit import Engine
-from specfit.calibrate.calibration import CostConstants
+from specfit.types.costs import CostConstants
 from specfit.types.tree import DraftTree
 from specfit.errors import ConfigError
 from specfit.plugins.caches.lru import LRUCache

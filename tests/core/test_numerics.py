@@ -15,7 +15,7 @@ from drafters import ScriptedDrafter
 import specfit
 from specfit import Engine
 from specfit.model.builtin import build_builtin
-from specfit.calibrate.calibration import CostConstants
+from specfit.types.costs import CostConstants
 from specfit.model.loading import stream_checkpoint
 from specfit.model.numerics import apply_numerics
 from specfit.errors import ConfigError

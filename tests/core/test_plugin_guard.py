@@ -18,7 +18,7 @@ from conftest import tiny_model
 from drafters import ScriptedDrafter
 
 from specfit import Engine
-from specfit.calibrate.calibration import CostConstants
+from specfit.types.costs import CostConstants
 from specfit.types.tree import DraftTree, verify_block
 from specfit.errors import ConfigError, PluginError
 from specfit.interfaces import Admission, Selection

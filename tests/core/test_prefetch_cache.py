@@ -12,7 +12,7 @@ import torch
 from conftest import TRITON_ON_CPU, tiny_model
 
 from specfit import Engine
-from specfit.offload.copy.engines import LinkSettings
+from specfit.types.link_profiles import LinkSettings
 from specfit.errors import PluginError
 from specfit.interfaces import Admission
 from specfit.plugins.caches.full import FullCache

@@ -15,8 +15,9 @@ from drafters import ScriptedDrafter
 
 import specfit
 from specfit import Engine
-from specfit.calibrate.calibration import CostConstants
-from specfit.offload.copy.engines import CopyTicket, LinkSettings, TorchCopyEngine
+from specfit.types.costs import CostConstants
+from specfit.offload.copy.engines import CopyTicket, TorchCopyEngine
+from specfit.types.link_profiles import LinkSettings
 from specfit.offload.prefetch import LiveSink, ModelledSink, check_request
 from specfit.types.tree import DraftTree
 from specfit.errors import PluginError

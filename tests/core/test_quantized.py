@@ -15,7 +15,7 @@ from conftest import tiny_model
 from safetensors.torch import load_file, save_file
 
 from specfit import Engine
-from specfit.config import ModelConfig
+from specfit.model.config import ModelConfig
 from specfit.model.loading import load_target
 from specfit.model.quantized import FP4_VALUES, dequantized, fp8_dequantize, mxfp4_dequantize, quantization_of
 from specfit.errors import ModelError

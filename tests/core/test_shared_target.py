@@ -70,7 +70,7 @@ def test_a_shared_target_whose_model_an_engine_took_is_refused() -> None:
     """Handing the shared model to an Engine directly makes it that engine's (its experts modules
     point at a runtime); copying it for another engine would copy the runtime and the whole expert
     store with it. One line instead, and load_shared_target checks its config as build() does."""
-    from specfit.decode.engine import Engine
+    from specfit.api import Engine
     from specfit.errors import ModelError
 
     shared = load_shared_target(_config())
@@ -104,7 +104,7 @@ def test_bench_shares_one_load_across_workloads(tmp_path, capsys, monkeypatch) -
     import gc
 
     import specfit.api
-    from specfit.decode.engine import Engine
+    from specfit.api import Engine
 
     loads, alive = [], []
     real = specfit.api.load_target

@@ -15,7 +15,7 @@ from drafters import ScriptedDrafter
 
 import specfit
 from specfit import Engine
-from specfit.calibrate.calibration import CostConstants, fit_constants, load_constants, nnls
+from specfit.types.costs import CostConstants, fit_constants, load_constants, nnls
 from specfit.types.moe import MoESpec
 from specfit.types.tree import ROOT, DraftTree
 from specfit.errors import ConfigError
@@ -186,7 +186,7 @@ def test_a_calibration_file_of_another_setup_is_used_with_a_note(tmp_path, monke
 
 def test_a_calibration_fitted_by_an_older_specfit_is_measured_again(tmp_path, monkeypatch, capsys):
     """A stored file without the current ``fit_version`` (an older fit) is not reused silently."""
-    from specfit.calibrate.calibration import FIT_VERSION
+    from specfit.types.costs import FIT_VERSION
 
     monkeypatch.setenv("SPECFIT_HOME", str(tmp_path))
     overrides = ["model=tiny", "drafter=eagle3", "drafter.top_k=3", "drafter.depth=2", "drafter.total_tokens=6",
@@ -228,7 +228,7 @@ def test_a_calibration_that_predicts_poorly_is_not_stored_and_a_stored_one_is_me
                                                                                             capsys):
     """A held-out median error above POOR_FIT (a busy host) is not trusted: an automatic calibration
     serves its run only, a stored one is measured again; `specfit calibrate`'s is kept as asked."""
-    from specfit.calibrate import calibration
+    from specfit.calibrate import run as calibration
     monkeypatch.setenv("SPECFIT_HOME", str(tmp_path))
     overrides = ["model=tiny", "drafter=eagle3", "drafter.top_k=3", "drafter.depth=2", "drafter.total_tokens=6",
                  "selector=specfit", "cost_model=union", "predictor=history", "cache.capacity=4", "max_new_tokens=8"]
@@ -287,7 +287,7 @@ def test_calibrate_command_stores_the_constants_in_the_file_named(tmp_path, monk
 def test_a_calibration_file_given_in_code_is_loaded_when_bound(tmp_path, monkeypatch, capsys):
     """UnionCostModel(calibration=FILE) given to an Engine (no specfit.build) loads FILE, a path or a
     string, ~ expanded; a damaged one is named when the constants are first needed."""
-    from specfit.calibrate.calibration import save_constants
+    from specfit.calibrate.store import save_constants
 
     monkeypatch.setenv("HOME", str(tmp_path))
     file = tmp_path / "c.json"
@@ -561,7 +561,7 @@ def test_online_refit_keeps_copy_cost_through_a_window_without_misses():
 
 
 def test_calibrated_acceptance_learns_from_unverified_nodes_after_a_greedy_pass():
-    from specfit.plugins._kit.selection import CalibratedAcceptance
+    from specfit.plugins.acceptance.calibrated import CalibratedAcceptance
 
     tree = DraftTree(root_token=0)
     a, b = tree.add_level([-1, -1], [10, 11], [np.log(0.1), np.log(0.05)])
@@ -746,7 +746,7 @@ def test_history_counts_a_prompt_at_once_as_it_would_token_by_token(max_keys):
 def test_a_head_retrained_in_place_is_another_setup(tmp_path):
     """The gate's and the estimator's stored state belong to one head: the same path with other
     weights must get another setup hash, the same weights the same one."""
-    from specfit.calibrate.calibration import head_weights_digest
+    from specfit.files import head_weights_digest
 
     head = tmp_path / "head"
     head.mkdir()

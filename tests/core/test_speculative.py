@@ -429,7 +429,7 @@ def test_eager_attention_tree_verification_matches_hf_generate(arch):
 @pytest.mark.parametrize("cache", list(CACHES))
 def test_sampling_is_lossless_for_every_selector_and_cache(selector, cache):
     """Seed for seed, every selector and cache samples AR's tokens, accepting many drafts."""
-    from specfit.calibrate.calibration import CostConstants
+    from specfit.types.costs import CostConstants
     from specfit.plugins.cost_models.union import UnionCostModel
     from specfit.plugins.predictors.history import HistoryPredictor
     from specfit.plugins.selectors.eagle3 import TopByPathProbSelector

@@ -20,7 +20,7 @@ from conftest import ARCHITECTURES, tiny_model
 from safetensors.torch import load_file, save_file
 
 from specfit import Engine
-from specfit.config import ModelConfig
+from specfit.model.config import ModelConfig
 from specfit.offload.store import HostExpertStore
 from specfit.model.loading import load_checkpoint, load_target, stream_checkpoint
 from specfit.types.moe import find_experts, moe_spec

@@ -10,7 +10,7 @@ import pytest
 
 from specfit.cli import main
 from specfit.types.cost_profiles import COST_PROFILES
-from specfit.report import write_report
+from specfit.commands.report import write_report
 
 PROFILE = "qwen3-30b-a3b-h200-pcie5"
 
@@ -73,8 +73,7 @@ def test_fit_acceptance_writes_a_model_replay_uses_and_scores_report_plots(trace
     assert rows_of(tmp_path / "rep" / "results.jsonl")[0]["acceptance_estimator"] == "learned"
 
     pytest.importorskip("matplotlib")
-    from specfit import report as report_module
-
+    from specfit.commands import report as report_module
     drawn = {}
     save = report_module._save
 

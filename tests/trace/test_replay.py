@@ -16,7 +16,7 @@ from drafters import ScriptedDrafter
 
 from specfit import Engine
 from specfit.api import calibrate
-from specfit.calibrate.calibration import CostConstants
+from specfit.types.costs import CostConstants
 from specfit.types.stats import cycle_summary
 from specfit.errors import ConfigError
 from specfit.interfaces import Selection, SelectorBase
@@ -373,9 +373,7 @@ def test_oracle_acceptance_knows_the_recorded_outcomes_and_closes_the_gap(traces
     trace = traces["scripted", "lru"]
 
     def run(acceptance):
-        selector = SpecFitSelector(draft_time="modelled", draft_gate=False)
-        if acceptance is not None:
-            selector.set_acceptance(acceptance)
+        selector = SpecFitSelector(draft_time="modelled", draft_gate=False, estimator=acceptance)
         return replay(trace, selector, LRUCache(capacity=4), UnionCostModel(constants=CONSTANTS), OraclePredictor(),
                       draft_time="modelled")
 
@@ -392,8 +390,7 @@ def test_oracle_acceptance_knows_the_recorded_outcomes_and_closes_the_gap(traces
 def test_oracle_acceptance_refuses_live_runs(references):
     from specfit.plugins.acceptance.oracle import OracleAcceptance
 
-    selector = SpecFitSelector()
-    selector.set_acceptance(OracleAcceptance())
+    selector = SpecFitSelector(estimator=OracleAcceptance())
     with pytest.raises(ConfigError, match="acceptance=oracle"):
         Engine(tiny_model(), drafter=scripted(references), selector=selector, cost_model=UnionCostModel(constants=CONSTANTS),
                predictor=HistoryPredictor(), device="cpu")

@@ -353,7 +353,7 @@ def test_fit_probe_writes_a_probe_the_drafter_uses_losslessly(patterned, trained
         ref = target.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0]
     drafter = Eagle3Drafter(path=str(head_dir), top_k=4, depth=4, total_tokens=12)
     assert drafter.probe is not None
-    from specfit.calibrate.calibration import CostConstants
+    from specfit.types.costs import CostConstants
     from specfit.plugins.cost_models.union import UnionCostModel
     from specfit.plugins.predictors.history import HistoryPredictor
     from specfit.plugins.selectors.specfit import SpecFitSelector

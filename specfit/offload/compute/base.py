@@ -8,15 +8,6 @@ weights straight from the layer's slot tensor ``[slots, expert_numel]`` (views, 
 The runtime sums a token's top-k rows in float32 and casts once, so the result does not depend on
 how the experts were split into rounds, and bf16 outputs are not rounded expert by expert.
 
-Implementations (``model.expert_compute``):
-
-- ``loop``: a Python loop over the round's slots, a few ops per expert: the reference.
-- ``grouped``: ``torch._grouped_mm`` over every slot (empty groups for idle slots): one grouped
-  GEMM for gate/up and one for down, a constant number of ops whatever the number of experts.
-- ``triton``: a fused-MoE style Triton kernel (CUDA; CPU only under ``TRITON_INTERPRET=1``), see
-  :mod:`specfit.offload.compute.triton`.
-- ``auto``: ``triton`` on CUDA when Triton imports, ``grouped`` otherwise.
-
 Weights of another dtype than the hidden states (bf16 slots under fp32 activations, ``numerics=
 exact``) are upcast inside the compute; the arithmetic runs in the wider of the two dtypes.
 """
@@ -31,45 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from specfit.types.moe import ExpertLayout, MoESpec, clamped_swiglu, row_parts
-from specfit.errors import ConfigError
-
-IMPLEMENTATIONS = ("auto", "grouped", "loop", "triton")
-
-
-def check_expert_compute(value: object, key: str = "model.expert_compute") -> str:
-    """``value`` if it names an implementation, else a one-line ConfigError naming ``key``."""
-    if not isinstance(value, str) or value not in IMPLEMENTATIONS:
-        raise ConfigError(f"{key}={value!r} is not one of {', '.join(IMPLEMENTATIONS)}")
-    return value
-
-
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # noqa: BLE001 - a broken install is as good as none
-        return False
-    return True
-
-
-def resolve(kind: str, device: torch.device) -> str:
-    """The implementation ``kind`` runs as on ``device`` (``auto`` resolved)."""
-    check_expert_compute(kind)
-    if kind == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "grouped"
-    return kind
-
-
-def make_expert_compute(kind: str, device: torch.device | str) -> ExpertCompute:
-    """The compute implementation ``kind`` (see the module docstring) for ``device``."""
-    device = torch.device(device)
-    kind = resolve(kind, device)
-    if kind == "loop":
-        return LoopCompute()
-    if kind == "grouped":
-        return GroupedCompute()
-    from specfit.offload.compute.triton import TritonCompute
-
-    return TritonCompute(device)
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -172,90 +124,3 @@ def activate(gate_up: torch.Tensor, layout: ExpertLayout, act_fn: nn.Module | No
 
 def _compute_dtype(hidden: torch.Tensor, weights: torch.Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, weights.dtype)
-
-
-# ---------------------------------------------------------------------------------------------- loop
-
-
-class LoopCompute(ExpertCompute):
-    """One expert at a time (about ten ops each): the reference the others are tested against."""
-
-    name = "loop"
-
-    def run(self, views: SlotViews, hidden: torch.Tensor, weights: torch.Tensor, top_k: int, plan: RoundPlan,
-            layout: ExpertLayout, act_fn: nn.Module | None, out: torch.Tensor) -> None:
-        dtype = _compute_dtype(hidden, views.gate_up)
-        start = 0
-        for slot, n in enumerate(plan.counts.tolist()):
-            if not n:
-                continue
-            rows = plan.rows[start:start + n]
-            start += n
-            x = hidden[rows // top_k].to(dtype)
-            bias = views.gate_up_bias[slot].to(dtype) if views.gate_up_bias is not None else None
-            h = activate(F.linear(x, views.gate_up[slot].to(dtype), bias), layout, act_fn)
-            bias = views.down_bias[slot].to(dtype) if views.down_bias is not None else None
-            y = F.linear(h, views.down[slot].to(dtype), bias)
-            out[rows] = y.float() * weights[rows, None].float()
-
-
-# ---------------------------------------------------------------------------------------------- grouped
-
-
-class GroupedCompute(ExpertCompute):
-    """``torch._grouped_mm`` over the slot pool: a constant number of ops per round.
-
-    Same-dtype weights are read in place, one group per slot (idle slots are empty groups). Weights
-    of a narrower dtype than the activations are gathered for the round's slots and upcast first
-    (two ops, whatever the number of experts), since grouped_mm does not mix dtypes.
-    """
-
-    name = "grouped"
-
-    def run(self, views: SlotViews, hidden: torch.Tensor, weights: torch.Tensor, top_k: int, plan: RoundPlan,
-            layout: ExpertLayout, act_fn: nn.Module | None, out: torch.Tensor) -> None:
-        dtype = _compute_dtype(hidden, views.gate_up)
-        gate_up, down, offsets, counts = views.gate_up, views.down, plan.offsets, plan.counts
-        gu_bias, dn_bias = views.gate_up_bias, views.down_bias
-        row_slot = plan.row_slot
-        if gate_up.dtype != dtype:  # upcast only the round's slots (compact groups)
-            used = np.flatnonzero(counts)
-            groups = to_device({"used": used, "used_offsets": np.cumsum(counts[used]),
-                                "row_group": np.repeat(np.arange(len(used)), counts[used])}, hidden.device)
-            used = groups["used"]
-            gate_up, down = gate_up.index_select(0, used).to(dtype), down.index_select(0, used).to(dtype)
-            offsets, row_slot = groups["used_offsets"].to(torch.int32), groups["row_group"]
-            counts = counts[counts > 0]
-            gu_bias = gu_bias.index_select(0, used).to(dtype) if gu_bias is not None else None
-            dn_bias = dn_bias.index_select(0, used).to(dtype) if dn_bias is not None else None
-        x = hidden.index_select(0, plan.rows // top_k).to(dtype)
-        h = grouped_mm(x, gate_up.transpose(1, 2), offsets, counts)
-        if gu_bias is not None:
-            h = h + gu_bias.index_select(0, row_slot)
-        h = activate(h, layout, act_fn)
-        y = grouped_mm(h, down.transpose(1, 2), offsets, counts)
-        if dn_bias is not None:
-            y = y + dn_bias.index_select(0, row_slot)
-        out.index_copy_(0, plan.rows, y.float() * weights.index_select(0, plan.rows).float().unsqueeze(1))
-
-
-def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
-    """``x[rows of group g] @ weight[g]`` for groups ending at ``offsets`` (int32, device; ``counts``
-    the same on the host): torch._grouped_mm, or an equivalent batched matmul where it refuses the
-    case (a torch without it, a dtype or stride its kernel does not take)."""
-    try:
-        return torch._grouped_mm(x, weight, offs=offsets)
-    except (RuntimeError, NotImplementedError, AttributeError):
-        return _padded_bmm(x, weight, counts)
-
-
-def _padded_bmm(x: torch.Tensor, weight: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
-    """The fallback: the used groups padded to the longest and one ``bmm`` (index arrays from the host)."""
-    used = np.flatnonzero(counts)
-    starts = np.cumsum(counts) - counts
-    group = np.repeat(np.arange(len(used)), counts[used])
-    pos = np.arange(len(group)) - np.repeat(starts[used], counts[used])
-    idx = to_device({"used": used, "group": group, "pos": pos}, x.device)
-    padded = x.new_zeros(len(used), int(counts.max(initial=0)), x.shape[1])
-    padded[idx["group"], idx["pos"]] = x
-    return torch.bmm(padded, weight.index_select(0, idx["used"]))[idx["group"], idx["pos"]]

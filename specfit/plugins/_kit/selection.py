@@ -20,13 +20,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specfit.types.acceptance import AcceptanceScore, estimator_named, settled
-from specfit.search import SearchProblem, evaluate
-from specfit.types.tree import DraftTree
 from specfit.errors import ConfigError, PluginError
-from specfit.interfaces import Selection, SelectionContext, SelectorBase, SelectorConfig
+from specfit.interfaces import AcceptanceEstimator, Selection, SelectionContext, SelectorBase, SelectorConfig
+from specfit.interfaces.contracts import check_plugin_instance
+from specfit.search import SearchProblem, evaluate
+from specfit.types.acceptance import AcceptanceScore, settled
+from specfit.types.tree import DraftTree
 from specfit.validation import is_count
-from specfit.plugins.acceptance.calibrated import CalibratedAcceptance  # noqa: F401 - its earlier home
 
 
 RETIME_EVERY = 32
@@ -123,6 +123,23 @@ class DraftGate:
 STOP_RULES = ("method", "projected")
 
 
+def builtin_estimator(name: str) -> AcceptanceEstimator:
+    """The built-in acceptance estimator ``name`` with its default settings, for a selector built in
+    code without an ``estimator=``; another (a third-party one) is passed in, or named in the
+    config's ``acceptance`` group, which ``specfit.build`` resolves through the registry."""
+    from specfit.plugins.acceptance.calibrated import CalibratedAcceptance
+    from specfit.plugins.acceptance.learned import LearnedAcceptance
+    from specfit.plugins.acceptance.oracle import OracleAcceptance
+    from specfit.plugins.acceptance.path_prob import PathProbAcceptance
+
+    builtins = {cls.name: cls for cls in (CalibratedAcceptance, LearnedAcceptance, OracleAcceptance, PathProbAcceptance)}
+    if name not in builtins:
+        raise ConfigError(f"selector.acceptance={name!r}: not a built-in estimator (built in: "
+                          f"{', '.join(sorted(builtins))}); pass another as estimator=..., or name it "
+                          "in the config's acceptance group")
+    return builtins[name]()
+
+
 @dataclass
 class CostAwareSelectorConfig(SelectorConfig):
     """Settings shared by the cost-aware selectors (specfit, greedy, prefix)."""
@@ -153,36 +170,34 @@ class CostAwareSelector(SelectorBase):
     name = "cost_aware"
     requires = ("cost_model", "predictor")  # the engine checks these are configured
     chooses_among_likeliest = True  # ``choose`` gets allowed = the ctx.max_nodes likeliest
+    takes_estimator = True
 
     def __init__(self, acceptance: str = "path_prob", early_stop: bool = True, draft_time: str = "measured",
                  draft_gate: bool = True, gate_max_backoff: int = 256, gate_probe_budget: float = 0.01,
-                 stop_rule: str = "method") -> None:
+                 stop_rule: str = "method", estimator: AcceptanceEstimator | None = None) -> None:
+        """``estimator``: the acceptance estimator to own (``specfit.build`` passes the one the
+        config's ``acceptance`` group names); without one, the built-in estimator ``acceptance``
+        names, with its default settings."""
         if draft_time not in ("measured", "modelled"):
             raise ConfigError(f"selector.draft_time={draft_time!r} must be measured or modelled")
         if stop_rule not in STOP_RULES:
             raise ConfigError(f"selector.stop_rule={stop_rule!r} must be one of {', '.join(STOP_RULES)}")
         self.acceptance, self.early_stop, self.draft_time = acceptance, early_stop, draft_time
         self.stop_rule = stop_rule
-        self.estimator = estimator_named(acceptance, key="selector.acceptance")
+        if estimator is None:
+            estimator = builtin_estimator(acceptance)
+        check_plugin_instance("acceptance", estimator)
+        self.estimator = estimator
         self.acceptance_score = AcceptanceScore(estimator=self.estimator.name)
         gate = DraftGate(gate_max_backoff, probe_budget=gate_probe_budget)  # checks the settings either way
         self.gate = gate if draft_gate else None
         self._drafted_since_plain = 0  # drafted cycles since a plain pass was last timed
-        self.keeper: Any = None  # set by specfit.calibrate.setup_state: saves what the gate and estimator learned
         self._estimates: np.ndarray | None = None  # the last selection's a_v, scored once the outcome is known
         self._previous_value = self._plain_seconds = 0.0
         self._previous_mask = np.zeros(0, dtype=bool)  # the last level's selection (stop_rule=projected)
         self._previous_added = 1.0  # the expected tokens the last level's selection added
         self.rate_tracker = RateTracker()  # the decode's throughput so far: lambda of objective=rate
         self._last: tuple[float, float] | None = None  # (T(S*), C(root only) without drafting) of the last selection
-
-    def set_acceptance(self, estimator: Any) -> None:
-        """Use ``estimator`` (an :class:`~specfit.interfaces.AcceptanceEstimator`) for a_v from now on."""
-        from specfit.registry import check_plugin_instance
-
-        check_plugin_instance("acceptance", estimator)
-        self.estimator = estimator
-        self.acceptance_score = AcceptanceScore(estimator=estimator.name)
 
     def bind(self, spec: Any) -> None:
         self.spec = spec
@@ -288,8 +303,6 @@ class CostAwareSelector(SelectorBase):
         With ``draft_time=modelled`` the gate uses the cost model's predictions instead of
         ``seconds`` (decisions then depend on no clock). Otherwise plain passes are timed when the
         gate skips drafting; until one has been, the cost model's C(root only) stands in."""
-        if self.keeper is not None:
-            self.keeper.tick()
         predicted, self._last = self._last, None
         if self.draft_time == "measured":
             self.rate_tracker.add(committed, seconds)

@@ -406,7 +406,7 @@ class LearnedAcceptance(AcceptanceEstimatorBase):
         self.trees += 1
 
     def fit_trees(self, trees: Any) -> int:
-        """Offline: walk settled trees (:func:`specfit.types.acceptance.trace_trees`) in
+        """Offline: walk settled trees (:func:`specfit.trace.settled.trace_trees`) in
         order, collecting their conditional samples with the recent rate as it was at each, then
         :meth:`fit` them all at once. Returns the number of samples."""
         xs, ys, groups, offset = [], [], [], 0

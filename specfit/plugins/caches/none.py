@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from specfit.types.moe import MoESpec
-from specfit.offload.runtime import resolve_capacity
+from specfit.types.moe import resolve_capacity
 from specfit.interfaces import Admission, CacheConfig, ExpertCacheBase
 
 

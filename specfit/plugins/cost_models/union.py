@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specfit.calibrate.calibration import CostConstants, fit_constants, load_constants
+from specfit.types.costs import CostConstants, fit_constants, load_constants
 from specfit.search import SearchProblem, evaluate
 from specfit.errors import ConfigError
 from specfit.interfaces import CostModelBase, CostModelConfig, DraftTree

@@ -29,7 +29,7 @@ the last word (``admit_prefetch``): it never evicts an expert in flight or in us
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 

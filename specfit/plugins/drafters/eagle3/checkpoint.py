@@ -215,7 +215,7 @@ def _read_shards(index: Path, path: Path, key: str) -> dict[str, torch.Tensor]:
 
 
 def _read_file(file: Path, path: Path, key: str) -> dict[str, torch.Tensor]:
-    from specfit.model.loading import check_safetensors
+    from specfit.files import check_safetensors
 
     safetensors = file.name.endswith(".safetensors")
     if safetensors:

@@ -146,7 +146,7 @@ class Eagle3Drafter(DrafterBase):
         else:
             self.probe = None
         # the head's directory holds a probe this drafter does not use: another setup for what is
-        # stored per setup (specfit.calibrate.calibration.setup_fingerprint), as its estimates differ
+        # stored per setup (specfit.calibrate.fingerprint.setup_fingerprint), as its estimates differ
         self.probe_left_unused = (self.probe is None and from_dir is not None
                                   and (Path(from_dir).expanduser() / PROBE_FILE).is_file())
 

@@ -89,7 +89,7 @@ class AcceptanceProbe(nn.Module):
 
 def head_digest(head_dir: str | Path) -> str | None:
     """The digest of the head's own weight files (the probe's left out) that a probe is stamped with."""
-    from specfit.calibrate.calibration import head_weights_digest
+    from specfit.files import head_weights_digest
 
     return head_weights_digest(str(head_dir), skip=(PROBE_FILE,))
 
