@@ -11,6 +11,7 @@ How a run ends, whatever went wrong (``verbose=true`` or ``HYDRA_FULL_ERROR=1`` 
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import traceback
@@ -257,11 +258,16 @@ def _run_hydra(command: str, args: list[str], verbose: bool) -> None:
     else:
         job = _job(command)
         config_name = HYDRA_COMMANDS[command]
+    _check_override_syntax(command, args)
     flags = _hydra_args(args)
     is_query = flags.help or flags.hydra_help or flags.cfg or flags.info or flags.shell_completion
     elsewhere = flags.config_path or flags.config_name or flags.config_dir or flags.experimental_rerun
     if not is_query:
         _note_given_twice(args)
+    elif flags.cfg:  # say what it shows: the keys of the options chosen, not of every option
+        print(f"# specfit {command} --cfg {flags.cfg}: the config these settings compose (the keys of the chosen "
+              f"options; another option's keys: choose it, e.g. cache=none --cfg job); every group's options: "
+              f"specfit {command} --help", file=sys.stderr)
     if not (is_query or elsewhere or flags.multirun):
         # one clear line for a bad key or value, before Hydra starts and before any model is built
         values = _override_values(args)
@@ -357,9 +363,14 @@ _UNREAD_GROUPS = {"record": (("selector", "predictor", "acceptance"),
                              "nothing, so {key} does not apply; give it to specfit replay")}
 # whole keys (not groups) a command does not take: the demo decodes its own prompts (workload.max_prompts
 # still limits them)
+_COMPARISON_KEYS = ("methods", "method_presets", "workloads", "repeats", "warmup", "baseline", "answers_dir")
+_ONE_DECODE = ("decodes with the config's own parts, so {key} (a comparison setting) does not apply; "
+               "compare methods with specfit bench {key}=...")
 _UNTAKEN_KEYS = {"demo": (("workload", "workloads"),
                           "decodes its shipped prompts, so {key} does not apply (their rows would be labelled "
-                          "demo); for other workloads: specfit bench model=demo workloads=[prose,gsm]")}
+                          "demo); for other workloads: specfit bench model=demo workloads=[prose,gsm]"),
+                 "generate": (_COMPARISON_KEYS, _ONE_DECODE),
+                 "calibrate": (_COMPARISON_KEYS, _ONE_DECODE)}
 
 
 def _check_command_keys(command: str, values: dict[str, Any]) -> None:
@@ -372,6 +383,8 @@ def _check_command_keys(command: str, values: dict[str, Any]) -> None:
     untaken, untaken_why = _UNTAKEN_KEYS.get(command, ((), ""))
     for key in values:
         name = key.lstrip("+~")
+        if name.startswith("method_presets."):  # +method_presets.NAME=[...] adds a method
+            name = "method_presets"
         if name in untaken:
             raise ConfigError(f"{name}: specfit {command} {untaken_why.format(key=name)}")
         group = name.split(".", 1)[0]
@@ -382,6 +395,33 @@ def _check_command_keys(command: str, values: dict[str, Any]) -> None:
             by = " and ".join(f"specfit {r}" for r in readers)
             raise ConfigError(f"{name}: only {by} read{'s' if len(readers) == 1 else ''} it; "
                               f"specfit {command} would ignore it")
+
+
+def _check_override_syntax(command: str, args: list[str]) -> None:
+    """The first mistakes of a shell command line, each one line with its fix: a value the shell
+    split at a space (``prompt=Hello world``), or a comma that makes the value a Hydra list
+    (``prompt=Hello, world``). Other parse errors are left to compose(), which names them."""
+    overrides = [(a, parsed) for a, parsed in _parsed_overrides(args)]
+    for i, (arg, parsed) in enumerate(overrides):
+        if parsed is not None:
+            continue
+        words = [a for a, _ in itertools.takewhile(lambda o: "=" not in o[0], overrides[i + 1:])]
+        key, eq, value = arg.partition("=")
+        fix = "'{key}=\"{text}\"'".format(key=key, text=" ".join([value, *words]).replace('"', '\\"'))
+        also = "; or read the prompt from standard input: prompt_file=-" if key == "prompt" else ""
+        if not eq:
+            before = overrides[i - 1][0] if i and "=" in overrides[i - 1][0] else None
+            if before is None:
+                raise ConfigError(f"{arg!r} is not a key=value setting (e.g. model=demo prompt='Hi'; "
+                                  f"`specfit {command} --help` lists the keys to start with)")
+            k, _, v = before.partition("=")
+            whole = " ".join([v, *[a for a, _ in itertools.takewhile(lambda o: "=" not in o[0], overrides[i:])]])
+            raise ConfigError(f"{arg!r} is not a key=value setting: the shell split {k}={whole} at a space; quote the "
+                              f"whole setting, '{k}={whole}'" + ("; or read the prompt from standard input: "
+                                                                  "prompt_file=-" if k == "prompt" else ""))
+        if "," in value and not value.lstrip().startswith(("[", "{", "'", '"')):
+            raise ConfigError(f"cannot parse {arg}{' ' + ' '.join(words) if words else ''}: a comma makes the "
+                              f"value a list for Hydra; quote it inside the shell's quotes, {fix}{also}")
 
 
 def _note_given_twice(args: list[str]) -> None:

@@ -178,7 +178,15 @@ CASES: list[tuple[str, str, str]] = [
     (f"{S} workload.num_prompts=3", "use workload.max_prompts=3", EARLY),  # inline/jsonl take all their prompts
     ("demo workload.num_prompts=1", "use workload.max_prompts=1", EARLY),
     (f"{S} workload=prose", "give prompt_ids or workload, not both", EARLY),
-    (f"{S} workloads=[inline,gsm]", "give prompt_ids or workloads, not both", EARLY),
+    (f"{S} workloads=[inline,gsm]", "specfit generate decodes with the config's own parts, so workloads (a comparison "
+                                    "setting) does not apply", EARLY),
+    (f"{S} methods=[ar,eagle3]", "so methods (a comparison setting) does not apply; compare methods with specfit bench", EARLY),
+    (f"{S} +method_presets.mine=[x]", "so method_presets (a comparison setting) does not apply", EARLY),
+    ("generate model=tiny prompt=Hello world", "'world' is not a key=value setting: the shell split prompt=Hello world "
+                                               "at a space; quote the whole setting, 'prompt=Hello world'", EARLY),
+    ("generate model=tiny prompt=Hello, world", "a comma makes the value a list for Hydra; quote it inside the shell's "
+                                                "quotes, 'prompt=\"Hello, world\"'; or read the prompt from standard input", EARLY),
+    ("generate world model=tiny", "'world' is not a key=value setting (e.g. model=demo", EARLY),
     ("generate -m model=tiny prompt_ids=[1] max_new_tokens=2 workload=prose", "not both", EARLY),  # each sweep job
     # an override Hydra's grammar refuses: how to quote it, with its own key
     ("generate model=tiny model.path=~/x prompt_ids=[1]", "cannot parse model.path=~/x (quote a value", EARLY),
