@@ -6,6 +6,10 @@ Programmatic use::
     cfg = specfit.compose(["model.path=/models/m", "drafter=none", "cache=lru", "cache.capacity=16"])
     engine = specfit.build(cfg)
     out = engine.generate([1, 2, 3], max_new_tokens=32)
+
+A plug-in package imports from :mod:`specfit.interfaces`; its tests may use this root as well:
+:func:`register_plugin` loads it uninstalled, :func:`build_builtin` gives a built-in tiny model to
+compare with.
 """
 
 from __future__ import annotations
@@ -21,15 +25,27 @@ if TYPE_CHECKING:
     from specfit.config import compose
     from specfit.api import Engine
     from specfit.decode.engine import GenerationOutput
+    from specfit.model.builtin import build_builtin
 
-__all__ = ["Engine", "GenerationOutput", "build", "compose", "hookimpl", "__version__"]
+__all__ = ["Engine", "GenerationOutput", "build", "build_builtin", "compose", "hookimpl", "register_plugin",
+           "__version__"]
 
 _LAZY = {
     "build": ("specfit.api", "build"),
     "compose": ("specfit.config", "compose"),
     "Engine": ("specfit.api", "Engine"),
     "GenerationOutput": ("specfit.decode.engine", "GenerationOutput"),
+    "build_builtin": ("specfit.model.builtin", "build_builtin"),  # a tiny model with seeded weights (tests)
 }
+
+
+def register_plugin(module: object, name: str | None = None) -> None:
+    """Load a plug-in module as its entry point would, without installing its package (its tests, a
+    notebook); ``name`` is the plug-in's name in errors (default: the module's). Does nothing more
+    once the entry point has loaded it. The next :func:`compose` or :func:`build` sees it."""
+    from specfit.registry import register_plugin as register
+
+    register(module, name)
 
 
 def __getattr__(name: str) -> Any:

@@ -2,7 +2,7 @@
 
 They run in this process (a second interpreter would spend seconds importing torch and
 transformers again) with the package on ``sys.path``, uninstalled: its tests register it with
-``specfit.registry.register_plugin``. What they register is forgotten afterwards.
+``specfit.register_plugin``. What they register is forgotten afterwards.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The example plugin's own tests: `pytest` in docs/example-plugin (specfit's CI runs them as they are).
 
 They need specfit but not this package installed: an uninstalled package is registered in code with
-``specfit.registry.register_plugin``, which does nothing more once its entry point has loaded it.
+``specfit.register_plugin``, which does nothing more once its entry point has loaded it. Like the
+plugin, they import nothing of specfit's but ``specfit.interfaces`` and the root ``specfit``.
 """
 
 from __future__ import annotations
@@ -9,23 +10,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import specfit
 import specfit_fifo_cache
-from specfit.model.builtin import build_builtin
-from specfit.registry import get_plugins, register_plugin
 
 PROMPT = [1, 2, 3, 4]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def fifo_registered():
-    register_plugin(specfit_fifo_cache, "fifo_cache")
+    specfit.register_plugin(specfit_fifo_cache, "fifo_cache")
 
 
 def test_the_cache_is_registered_under_its_name():
-    entry = get_plugins()["cache"].get("fifo")
-    assert entry.cls is specfit_fifo_cache.FIFOCache and entry.plugin == "fifo_cache"
+    cfg = specfit.compose(["model=tiny", "cache=fifo", "cache.capacity=2"])
+    assert OmegaConf.get_type(cfg.cache) is specfit_fifo_cache.FIFOCacheConfig  # its Config, under `cache.`
+    assert cfg.cache.capacity == 2
 
 
 def test_greedy_output_is_the_models_own():
@@ -33,8 +34,9 @@ def test_greedy_output_is_the_models_own():
     gives the tokens the unmodified model's own `generate` gives."""
     cfg = specfit.compose(["model=tiny", "cache=fifo", "cache.capacity=2", "max_new_tokens=8"])
     engine = specfit.build(cfg)
+    assert engine.info["cache"] == "fifo"
     out = engine.generate(PROMPT)
-    model = build_builtin("tiny-qwen3-moe", seed=0, dtype=torch.float32)  # the same seeded weights
+    model = specfit.build_builtin("tiny-qwen3-moe", seed=0, dtype=torch.float32)  # the same seeded weights
     expected = model.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, eos_token_id=None)
     assert out.token_ids == expected[0, len(PROMPT):].tolist()
     assert out.stats["expert_cache_misses"] > 0

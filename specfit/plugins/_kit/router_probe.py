@@ -21,8 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from specfit.types.moe import MoESpec
-from specfit.errors import ModelError
+from specfit.interfaces import ModelError, MoESpec
 
 
 @dataclass

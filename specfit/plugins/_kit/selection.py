@@ -20,13 +20,22 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specfit.errors import ConfigError, PluginError
-from specfit.interfaces import AcceptanceEstimator, Selection, SelectionContext, SelectorBase, SelectorConfig
-from specfit.interfaces.contracts import check_plugin_instance
-from specfit.search import SearchProblem, evaluate
-from specfit.types.acceptance import AcceptanceScore, settled
-from specfit.types.tree import DraftTree
-from specfit.validation import is_count
+from specfit.interfaces import (
+    AcceptanceEstimator,
+    AcceptanceScore,
+    ConfigError,
+    DraftTree,
+    PluginError,
+    SearchProblem,
+    Selection,
+    SelectionContext,
+    SelectorBase,
+    SelectorConfig,
+    check_plugin_instance,
+    evaluate,
+    is_count,
+    settled,
+)
 
 
 RETIME_EVERY = 32
@@ -207,7 +216,7 @@ class CostAwareSelector(SelectorBase):
     def _warm_up(self) -> None:
         """Solve one small problem now, so JIT compilation (or loading its cache) is paid when the
         engine is built, not by the first decoding cycle."""
-        from specfit.search.synthetic import paper_scale_problem
+        from specfit.interfaces import paper_scale_problem
 
         problem = paper_scale_problem(np.random.default_rng(0), n_nodes=8, layers=2, experts=8, top_k=2)
         self.choose(problem, np.ones(problem.n_nodes, dtype=bool))

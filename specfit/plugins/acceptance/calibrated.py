@@ -7,9 +7,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specfit.types.acceptance import settled
-from specfit.interfaces import AcceptanceConfig, AcceptanceEstimatorBase, DraftTree
-from specfit.validation import integer, number
+from specfit.interfaces import AcceptanceConfig, AcceptanceEstimatorBase, DraftTree, integer, number, settled
 
 
 @dataclass

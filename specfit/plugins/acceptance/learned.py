@@ -60,11 +60,17 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specfit.types.acceptance import conditional
-from specfit.types.tree import ROOT
-from specfit.errors import ConfigError
-from specfit.interfaces import AcceptanceConfig, AcceptanceEstimatorBase, DraftTree
-from specfit.validation import integer, is_count, number
+from specfit.interfaces import (
+    ROOT,
+    AcceptanceConfig,
+    AcceptanceEstimatorBase,
+    ConfigError,
+    DraftTree,
+    conditional,
+    integer,
+    is_count,
+    number,
+)
 
 FEATURES = ("bias", "log_share", "top_sibling", "log_rank", "log_depth", "parent_path", "parent_confidence",
             "parent_entropy", "root_prob", "recent", "context_match", "context_other", "context_match_len",
@@ -485,7 +491,7 @@ def load_state_file(path: str) -> dict[str, Any]:
     """The model a ``specfit fit-acceptance`` run wrote (its ``"state"`` object)."""
     from pathlib import Path
 
-    from specfit.files import read_json_object
+    from specfit.interfaces import read_json_object
 
     file = Path(path).expanduser()
     where = f"acceptance.state_file={path}"

@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from specfit.errors import ConfigError
-from specfit.interfaces import AcceptanceConfig, AcceptanceEstimatorBase, DraftTree
+from specfit.interfaces import AcceptanceConfig, AcceptanceEstimatorBase, ConfigError, DraftTree
 
 
 @dataclass

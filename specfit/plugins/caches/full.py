@@ -7,8 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from specfit.types.moe import MoESpec
-from specfit.interfaces import Admission, CacheConfig, ExpertCacheBase
+from specfit.interfaces import Admission, CacheConfig, ExpertCacheBase, MoESpec
 
 
 @dataclass

@@ -7,9 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from specfit.types.moe import MoESpec
-from specfit.types.moe import resolve_capacity
-from specfit.interfaces import Admission, CacheConfig, ExpertCacheBase
+from specfit.interfaces import Admission, CacheConfig, ExpertCacheBase, MoESpec, resolve_capacity
 
 
 @dataclass

@@ -21,11 +21,19 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specfit.types.costs import CostConstants, fit_constants, load_constants
-from specfit.search import SearchProblem, evaluate
-from specfit.errors import ConfigError
-from specfit.interfaces import CostModelBase, CostModelConfig, DraftTree
-from specfit.validation import integer, number
+from specfit.interfaces import (
+    ConfigError,
+    CostConstants,
+    CostModelBase,
+    CostModelConfig,
+    DraftTree,
+    SearchProblem,
+    evaluate,
+    fit_constants,
+    integer,
+    load_constants,
+    number,
+)
 
 
 @dataclass

@@ -21,11 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from specfit.types.context import ORDERS, TokenContext
-from specfit.errors import ConfigError
-from specfit.interfaces import ROOT, DrafterBase, DrafterConfig, DraftTree
+from specfit.interfaces import ORDERS, ROOT, ConfigError, DrafterBase, DrafterConfig, DraftTree, TokenContext, integer
 from specfit.plugins.drafters.eagle3.drafter import TREE_LIMITS
-from specfit.validation import integer
 
 
 @dataclass

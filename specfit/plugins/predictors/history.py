@@ -29,8 +29,7 @@ import numpy as np
 import torch
 
 from specfit.plugins._kit.router_probe import RouterProbe
-from specfit.interfaces import ROOT, DraftTree, ExpertPredictorBase, PredictorConfig
-from specfit.validation import integer, number
+from specfit.interfaces import ROOT, DraftTree, ExpertPredictorBase, PredictorConfig, integer, number
 
 
 @dataclass

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 
-from specfit.errors import ConfigError
-from specfit.interfaces import DraftTree, ExpertPredictorBase, PredictorConfig
+from specfit.interfaces import ConfigError, DraftTree, ExpertPredictorBase, PredictorConfig
 
 
 @dataclass

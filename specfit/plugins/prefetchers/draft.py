@@ -33,9 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
-from specfit.errors import ConfigError
-from specfit.interfaces import DraftTree, PrefetcherBase, PrefetcherConfig
-from specfit.validation import number, optional_integer
+from specfit.interfaces import ConfigError, DraftTree, PrefetcherBase, PrefetcherConfig, number, optional_integer
 
 
 @dataclass

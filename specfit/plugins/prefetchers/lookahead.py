@@ -89,8 +89,7 @@ from torch import nn
 from specfit.plugins._kit.next_router import NextLayerRouter
 from specfit.plugins._kit.router_probe import fold_norm, moe_routers
 from specfit.plugins._kit.token_experts import TokenExperts
-from specfit.errors import ConfigError
-from specfit.interfaces import PrefetcherBase, PrefetcherConfig
+from specfit.interfaces import ConfigError, PrefetcherBase, PrefetcherConfig
 
 SOURCES = ("fitted", "own", "next", "both")
 

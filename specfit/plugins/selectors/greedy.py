@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specfit.search import SearchProblem, greedy
+from specfit.interfaces import SearchProblem, greedy
 from specfit.plugins._kit.selection import CostAwareSelector, CostAwareSelectorConfig
 
 

@@ -11,8 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specfit.errors import ConfigError
-from specfit.interfaces import ACCEPTED_KEY, DraftTree, Selection, SelectionContext, SelectorBase, SelectorConfig
+from specfit.interfaces import (
+    ACCEPTED_KEY,
+    ConfigError,
+    DraftTree,
+    Selection,
+    SelectionContext,
+    SelectorBase,
+    SelectorConfig,
+)
 
 
 @dataclass

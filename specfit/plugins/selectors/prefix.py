@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specfit.search import SearchProblem, evaluate
+from specfit.interfaces import SearchProblem, evaluate
 from specfit.plugins._kit.selection import CostAwareSelector, CostAwareSelectorConfig
 
 

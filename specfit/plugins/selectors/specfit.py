@@ -14,9 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from specfit.search import SearchProblem, solve, solve_surplus
+from specfit.interfaces import ConfigError, SearchProblem, solve, solve_surplus
 from specfit.plugins._kit.selection import CostAwareSelector, CostAwareSelectorConfig
-from specfit.errors import ConfigError
 
 OBJECTIVES = ("ratio", "rate")
 
@@ -54,7 +53,7 @@ class SpecFitSelector(CostAwareSelector):
     def _warm_up(self) -> None:
         super()._warm_up()  # the ratio's kernel (the first cycle, with no rate yet)
         if self.objective == "rate":  # and the surplus kernel every later cycle uses: compiled now too
-            from specfit.search.synthetic import paper_scale_problem
+            from specfit.interfaces import paper_scale_problem
 
             problem = paper_scale_problem(np.random.default_rng(0), n_nodes=8, layers=2, experts=8, top_k=2)
             solve_surplus(problem, 1.0, np.ones(problem.n_nodes, dtype=bool))

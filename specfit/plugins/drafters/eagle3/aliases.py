@@ -19,8 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from specfit.errors import ConfigError
-from specfit.validation import is_int
+from specfit.interfaces import ConfigError, is_int
 
 VLLM_KEYS = ("method", "model", "num_speculative_tokens")
 VLLM_METHODS = ("eagle", "eagle3")

@@ -9,8 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specfit.errors import ModelError
-from specfit.files import missing_directory, read_json_object
+from specfit.interfaces import ModelError, missing_directory, read_json_object
 from specfit.plugins.drafters.eagle3.head import Eagle3Config, Eagle3Head
 from specfit.plugins.drafters.eagle3.layouts import config_from_json, config_to_hf, is_speculators, tensor_names
 
@@ -215,7 +214,7 @@ def _read_shards(index: Path, path: Path, key: str) -> dict[str, torch.Tensor]:
 
 
 def _read_file(file: Path, path: Path, key: str) -> dict[str, torch.Tensor]:
-    from specfit.files import check_safetensors
+    from specfit.interfaces import check_safetensors
 
     safetensors = file.name.endswith(".safetensors")
     if safetensors:

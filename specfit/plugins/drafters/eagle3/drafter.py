@@ -20,13 +20,20 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from specfit.messages import note_once
-from specfit.errors import ConfigError, ModelError
-from specfit.interfaces import ROOT, DrafterBase, DrafterConfig, DraftTree
+from specfit.interfaces import (
+    ROOT,
+    ConfigError,
+    DrafterBase,
+    DrafterConfig,
+    DraftTree,
+    ModelError,
+    integer,
+    note_once,
+    optional_integer,
+)
 from specfit.plugins.drafters.eagle3.checkpoint import check_head_fits, head_config_for, load_head, random_head
 from specfit.plugins.drafters.eagle3.head import Eagle3Head
 from specfit.plugins.drafters.eagle3.probe import PROBE_FILE, AcceptanceProbe, entropies, load_probe
-from specfit.validation import integer, optional_integer
 
 
 def head_feature_layers(cfg: Any, n: int) -> tuple[int, ...]:

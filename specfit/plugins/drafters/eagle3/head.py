@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specfit.errors import ModelError
+from specfit.interfaces import ModelError
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from specfit.errors import ModelError
+from specfit.interfaces import ModelError
 from specfit.plugins.drafters.eagle3.head import Eagle3Config
 
 # flags of EAGLE-3 variants with no implementation here (a head trained with them would draft wrongly)

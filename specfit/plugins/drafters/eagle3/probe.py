@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specfit.errors import ModelError
+from specfit.interfaces import ModelError
 
 PROBE_FILE = "acceptance_probe.safetensors"
 SUMMARIES = ("log_top1", "entropy", "margin")  # appended to the hidden state, in this order
@@ -89,7 +89,7 @@ class AcceptanceProbe(nn.Module):
 
 def head_digest(head_dir: str | Path) -> str | None:
     """The digest of the head's own weight files (the probe's left out) that a probe is stamped with."""
-    from specfit.files import head_weights_digest
+    from specfit.interfaces import head_weights_digest
 
     return head_weights_digest(str(head_dir), skip=(PROBE_FILE,))
 
