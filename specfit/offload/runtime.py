@@ -11,7 +11,7 @@ current round computes, so the link works while the experts compute (double buff
 Outputs are reduced per token over its top-k in float32 in a fixed order and cast once, so the
 result does not depend on how rounds were split. Reading the routing is the layer's one host sync.
 
-Copies are asynchronous (:mod:`specfit.offload.copy.engines`): each issued batch leaves a pending
+Copies are asynchronous (:mod:`specfit.offload.copy.base`): each issued batch leaves a pending
 ticket on the slots it writes, and a layer waits only on the slots it is about to compute with,
 counting the blocked time as ``h2d_stall_seconds``. ``prefetch`` issues copies ahead of need
 through the policy's ``admit_prefetch``; an expert in flight, or needed by the layer now
@@ -47,7 +47,7 @@ from specfit.types.stats import CacheStats
 from specfit.validation import is_collection
 
 if TYPE_CHECKING:
-    from specfit.offload.copy.engines import CopyEngine, CopyTicket
+    from specfit.offload.copy.base import CopyEngine, CopyTicket
     from specfit.interfaces.protocols import ExpertCache
 
 _NONE = np.zeros(0, dtype=np.int64)

@@ -137,7 +137,7 @@ def test_pinning_that_fails_part_way_leaves_the_store_unpinned(capsys, monkeypat
 
 
 def test_the_triton_engine_on_cuda_refuses_a_store_not_pinned_throughout():
-    from specfit.offload.copy.engines import EmulatedLinkEngine
+    from specfit.offload.copy.emulated import EmulatedLinkEngine
     from specfit.offload.runtime import _check_store_readable
     from specfit.errors import ConfigError
 

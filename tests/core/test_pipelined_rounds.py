@@ -19,7 +19,8 @@ from drafters import ScriptedDrafter
 import specfit
 from specfit import Engine
 from specfit.offload import runtime as offload
-from specfit.offload.copy.engines import EmulatedLinkEngine, TorchCopyEngine
+from specfit.offload.copy.emulated import EmulatedLinkEngine
+from specfit.offload.copy.torch import TorchCopyEngine
 from specfit.types.link_profiles import LinkSettings
 from specfit.types.moe import MoESpec
 from specfit.interfaces import Admission, ExpertCacheBase
