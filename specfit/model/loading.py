@@ -68,7 +68,7 @@ def share_experts(loaded: LoadedModel, pin: bool, settings: dict[str, Any]) -> L
     a store built here from the model's modules (the engines copy from it to a GPU). The dense
     weights it keeps to copy from wait in host memory: each engine moves its own copy to its device."""
     from specfit.offload.store import HostExpertStore
-    from specfit.types.moe import find_experts, moe_spec
+    from specfit.offload.discovery import find_experts, moe_spec
 
     store = loaded.expert_store
     if store is None:  # experts still in the model (a built-in or from_pretrained model): moved out once
@@ -276,7 +276,7 @@ def _from_pretrained(path: str, dtype: str, attn_implementation: str, local: Pat
 def _stream(path: str, files: list[Path], dtype_name: str, attn_implementation: str, numerics: str,
             device: torch.device) -> tuple[nn.Module, HostExpertStore]:
     from specfit.offload.store import HostExpertStore
-    from specfit.types.moe import find_experts, moe_spec
+    from specfit.offload.discovery import find_experts, moe_spec
     from specfit.model.streaming import CheckpointPlan, SafetensorsReader, stream_into
 
     what = f"model.path={path}"
@@ -480,7 +480,8 @@ def _meta_model(path: str, config: Any, dtype: torch.dtype | None = None, attn_i
 
 def check_architecture(path: str) -> None:
     """The config builds a causal LM with experts specfit can offload; built on the meta device (no memory)."""
-    from specfit.types.moe import SUPPORTED, find_experts
+    from specfit.types.moe import SUPPORTED
+    from specfit.offload.discovery import find_experts
 
     config = _config(path)
     kind = getattr(config, "model_type", "?")

@@ -39,7 +39,8 @@ from specfit.interfaces import guard
 from specfit.offload.compute.base import ExpertCompute, SlotViews, slot_views
 from specfit.offload.compute.factory import make_expert_compute
 from specfit.offload.store import HostExpertStore
-from specfit.types.moe import MoESpec, find_experts, moe_spec
+from specfit.types.moe import MoESpec
+from specfit.offload.discovery import find_experts, moe_spec
 from specfit.errors import ConfigError, ModelError, PluginError
 from specfit.interfaces.bases import ExpertCacheBase
 from specfit.interfaces.protocols import Admission

@@ -200,7 +200,7 @@ def model_loader(trace: Trace, model_cfg: Any = None) -> Callable[[], Any]:
 
 def _check_model_matches(trace: Trace, model: Any, given: bool) -> None:
     """A predictor reading another model's routers would fail deep inside, or predict nonsense."""
-    from specfit.types.moe import moe_spec
+    from specfit.offload.discovery import moe_spec
 
     def shape(spec: Any) -> tuple[int, ...]:
         return tuple(int(getattr(spec, k)) for k in ("num_layers", "num_experts", "top_k", "hidden_size"))

@@ -12,7 +12,8 @@ from test_expert_compute import Holder, gpt_oss_experts
 
 from specfit import Engine
 from specfit.offload.store import HostExpertStore, canonical
-from specfit.types.moe import ExpertLayout, find_experts, moe_spec, row_parts
+from specfit.types.moe import ExpertLayout, row_parts
+from specfit.offload.discovery import find_experts, moe_spec
 from specfit.errors import ModelError
 from specfit.plugins.caches.full import FullCache
 from specfit.plugins.caches.lru import LRUCache

@@ -932,7 +932,7 @@ def test_modelled_link_says_once_that_cache_none_cannot_prefetch():
 
 
 def tiny_model_spec():
-    from specfit.types.moe import find_experts, moe_spec
+    from specfit.offload.discovery import find_experts, moe_spec
 
     model = tiny_model()
     return moe_spec(model, find_experts(model))

@@ -23,7 +23,7 @@ from specfit import Engine
 from specfit.model.config import ModelConfig
 from specfit.offload.store import HostExpertStore
 from specfit.model.loading import load_checkpoint, load_target, stream_checkpoint
-from specfit.types.moe import find_experts, moe_spec
+from specfit.offload.discovery import find_experts, moe_spec
 from specfit.errors import ModelError
 from specfit.plugins.caches.full import FullCache
 from specfit.plugins.caches.lru import LRUCache
