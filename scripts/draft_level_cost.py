@@ -36,8 +36,8 @@ from specfit.bench.method_timers import MethodTimers
 from specfit.types.costs import CostConstants
 from specfit.types.context import TokenContext
 from specfit.decode.cycle import Cycle, CycleTimes, Verdict
-from specfit.types.moe import moe_spec
-from specfit.offload.runtime import bind_cache, cache_resident
+from specfit.offload.discovery import moe_spec
+from specfit.offload.admission import bind_cache, cache_resident
 from specfit.offload.prefetch import ModelledSink
 from specfit.decode.sampling import Sampler, SamplingParams
 from specfit.search.synthetic import QWEN3_30B_PCIE4

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from specfit.offload.copy.engines import make_copy_engine
+from specfit.offload.copy.factory import make_copy_engine
 from specfit.offload.store import HostExpertStore
-from specfit.types.moe import moe_spec
+from specfit.offload.discovery import moe_spec
 from specfit.offload.runtime import OffloadRuntime
 from specfit.plugins.caches.full import FullCache
 

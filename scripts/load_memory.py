@@ -39,7 +39,7 @@ def status(key):
 
 # Warm up: every module a build imports (plug-ins, Hydra, the model's code) is imported now, on a tiny model
 specfit.build(specfit.compose(["model=tiny", "model.device=cpu", f"cache={cache}", "drafter=none"]), calibrate_now=False)
-from specfit.model.loading import check_architecture
+from specfit.model.checkpoint import check_architecture
 check_architecture(path)
 gc.collect()
 with open("/proc/self/clear_refs", "w") as f:
@@ -50,7 +50,7 @@ overrides = [f"model.path={path}", "model.dtype=bfloat16", f"model.numerics={num
 if how == "streamed":
     engine = specfit.build(specfit.compose(overrides), calibrate_now=False)
 else:
-    from specfit.model.loading import load_checkpoint
+    from specfit.model.checkpoint import load_checkpoint
     from specfit.registry import get_plugins
     model = load_checkpoint(path, "bfloat16")
     policy = get_plugins()["cache"].get(cache).cls()

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from specfit.offload.copy.engines import make_copy_engine
+from specfit.offload.copy.factory import make_copy_engine
 
 
 def _timed(fn, device: torch.device, repeats: int) -> float:  # noqa: ANN001

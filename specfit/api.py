@@ -145,7 +145,7 @@ def _check_shared_target(cfg: DictConfig, shared: LoadedModel) -> None:
     """A shared target serves configs with the `model` settings it was loaded with, and no other;
     its model is a template that no Engine has taken (a copy of a taken one would copy its runtime,
     the whole expert store with it)."""
-    from specfit.offload.runtime import OffloadedExperts
+    from specfit.offload.layer import OffloadedExperts
 
     if not isinstance(shared, LoadedModel) or shared.settings is None:
         raise ConfigError(f"shared_target={shared!r:.60} must come from specfit.api.load_shared_target")

@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 torch.set_num_threads(1)  # tiny models: threads only add overhead and noise on a shared machine
 
 from specfit.model.builtin import build_builtin  # noqa: E402
-from specfit.offload.copy.engines import triton_interpret_enabled  # noqa: E402
+from specfit.offload.copy.triton import triton_interpret_enabled  # noqa: E402
 
 ARCHITECTURES = ["tiny-qwen3-moe", "tiny-olmoe", "tiny-mixtral"]
 

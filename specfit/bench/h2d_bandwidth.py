@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
 
-    from specfit.offload.copy.engines import TorchCopyEngine, TritonCopyEngine
+    from specfit.offload.copy.torch import TorchCopyEngine
+    from specfit.offload.copy.triton import TritonCopyEngine
 
     try:
         import triton

@@ -28,13 +28,13 @@ def check_plain_engine_args(device: Any, copy: Any, link: Any, tokenizer: Any, i
     engine changes the model (``device`` already a torch.device)."""
     from collections.abc import Mapping
 
-    from specfit.offload.copy.engines import CopyEngine
+    from specfit.offload.copy.base import CopyEngine
 
     if device.type not in ("cpu", "cuda"):  # the copy engines and expert kernels are written for these two
         raise ConfigError(f"device={str(device)!r}: an Engine runs on cpu or cuda devices")
     if not isinstance(copy, (str, CopyEngine)):
         raise ConfigError(f"copy={copy!r:.60} must be one of {', '.join(COPY_KINDS)} or a copy engine "
-                          "(specfit.offload.copy.engines)")
+                          "(specfit.offload.copy)")
     if link is not None and not isinstance(link, (LinkSettings, Mapping)):
         raise ConfigError(f"link={link!r:.60} must be a LinkSettings or a mapping of its fields "
                           "(e.g. {'profile': 'qwen3-30b-a3b-pcie5'})")

@@ -21,7 +21,8 @@ from specfit.messages import note_once
 from specfit.interfaces import guard
 from specfit.decode.cycle import bind_estimator_target
 from specfit.types.context import TokenContext
-from specfit.offload.copy.engines import CopyEngine, make_copy_engine, waits_measured
+from specfit.offload.copy.base import CopyEngine, waits_measured
+from specfit.offload.copy.factory import make_copy_engine
 from specfit.types.link_profiles import LinkSettings
 from specfit.decode.cycle import Cycle, CycleObserver, CycleTimes, Verdict, target_prob
 from specfit.interfaces.contracts import check_parts

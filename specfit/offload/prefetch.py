@@ -27,7 +27,7 @@ import numpy as np
 
 from specfit.messages import note_once
 from specfit.interfaces import guard
-from specfit.offload.runtime import prefetch_loads
+from specfit.offload.admission import prefetch_loads
 from specfit.errors import PluginError, SpecfitError
 
 KIND = "prefetch"  # the plug-in kind, as errors name it: "prefetch 'draft' (after_level): ..."
@@ -217,14 +217,13 @@ class LiveSink(CheckedSink):
         link (``cache.copy=torch`` on a CPU) hides nothing: only the issue moves."""
         copied = self._copied()
         issue = self.runtime.stats.issue_seconds / copied if copied else 0.0
-        if not (getattr(self.runtime.copy_engine, "emulated", False) or self.runtime.device.type == "cuda"):
+        if not (self.runtime.copy_engine.emulated or self.runtime.device.type == "cuda"):
             return issue  # a synchronous link
         link = self.expert_seconds()
         return link + issue if link > 0 else 0.0  # the link time unknown yet: so is the saving
 
     def expert_seconds(self) -> float:
-        engine = getattr(self.runtime, "copy_engine", None)
-        charge = getattr(engine, "charge_seconds", None)
+        charge = getattr(self.runtime.copy_engine, "charge_seconds", None)  # the emulated link's own member
         if charge is not None:
             return float(charge(1, self.spec.expert_bytes))
         stats = self.runtime.stats  # a real link: what its copies (demand and prefetch) took so far
@@ -357,7 +356,7 @@ class ModelledSink(CheckedSink):
 
 def _constants(cost_model: Any) -> Any:
     """A cost model's constants when it has some (no error while uncalibrated)."""
-    if cost_model is None or not getattr(cost_model, "calibrated", False):
+    if cost_model is None or not cost_model.calibrated:  # a CostModel member: checked when the engine was built
         return None
     try:
         return cost_model.constants

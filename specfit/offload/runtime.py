@@ -1,17 +1,18 @@
-"""The offloaded-experts runtime: host expert store, device slot pool, and the layer that uses them.
+"""The offloaded-experts runtime: host expert store, device slot pool, and the copies between them.
 
-Each MoE layer's experts module is replaced by :class:`OffloadedExperts`, which computes only on
+Each MoE layer's experts module is replaced by :class:`~specfit.offload.layer.OffloadedExperts`
+(:mod:`specfit.offload.layer`), which computes only on
 device-resident slots. Per pass and layer, the union of routed experts is admitted through the
 cache policy in rounds (one round unless the union exceeds the slots); each round's missing
 experts are copied in one batch by the copy engine, then computed by the expert compute
 (:mod:`specfit.offload.compute.base`: grouped over the slot pool, a constant number of ops).
-A union that exceeds the slots is pipelined (:func:`admission_rounds`): rounds of half the slots,
+A union that exceeds the slots is pipelined (:func:`specfit.offload.admission.admission_rounds`): rounds of half the slots,
 resident experts first, and the next round's copies are issued into the other half before the
 current round computes, so the link works while the experts compute (double buffering).
 Outputs are reduced per token over its top-k in float32 in a fixed order and cast once, so the
 result does not depend on how rounds were split. Reading the routing is the layer's one host sync.
 
-Copies are asynchronous (:mod:`specfit.offload.copy.engines`): each issued batch leaves a pending
+Copies are asynchronous (:mod:`specfit.offload.copy.base`): each issued batch leaves a pending
 ticket on the slots it writes, and a layer waits only on the slots it is about to compute with,
 counting the blocked time as ``h2d_stall_seconds``. ``prefetch`` issues copies ahead of need
 through the policy's ``admit_prefetch``; an expert in flight, or needed by the layer now
@@ -21,57 +22,36 @@ The experts' only host copy is a :class:`~specfit.offload.store.HostExpertStore`
 loader (the model's experts modules may then be meta tensors) or built from the modules, which
 frees their weights. When the policy preloads every expert of every layer (``cache=full``), the
 host copy is dropped after the preload; on a CPU device the slots are the store's own tensors.
+
+The cache policy's answers are checked in :mod:`specfit.offload.admission`, what the runtime is
+built from in :mod:`specfit.offload.checks`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from specfit.messages import note_once
 from specfit.interfaces import guard
+from specfit.messages import note_once
+from specfit.offload.admission import admission_rounds, bind_cache, cache_preload, cache_resident, prefetch_loads
+from specfit.offload.checks import check_copy_order, check_store_readable, store_spec
 from specfit.offload.compute.base import ExpertCompute, SlotViews, slot_views
 from specfit.offload.compute.factory import make_expert_compute
+from specfit.offload.discovery import find_experts, moe_spec
+from specfit.offload.layer import failed_build, offloaded_experts, swap_in
 from specfit.offload.store import HostExpertStore
-from specfit.types.moe import MoESpec, find_experts, moe_spec
-from specfit.errors import ConfigError, ModelError, PluginError
-from specfit.interfaces.bases import ExpertCacheBase
-from specfit.interfaces.protocols import Admission
 from specfit.types.stats import CacheStats
-from specfit.validation import is_collection
 
 if TYPE_CHECKING:
-    from specfit.offload.copy.engines import CopyEngine, CopyTicket
     from specfit.interfaces.protocols import ExpertCache
+    from specfit.offload.copy.base import CopyEngine, CopyTicket
 
 _NONE = np.zeros(0, dtype=np.int64)
-
-
-class OffloadedExperts(nn.Module):
-    """Drop-in replacement for a transformers experts module; weights live in the runtime."""
-
-    def __init__(self, runtime: OffloadRuntime, layer: int, act_fn: nn.Module | None) -> None:
-        super().__init__()
-        self.layer = layer
-        self.act_fn = act_fn
-        self.num_experts = runtime.spec.num_experts
-        object.__setattr__(self, "_runtime", runtime)  # not a submodule: .to() must not move the store
-
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        runtime = self._runtime
-        if runtime.orphaned:  # its slots are gone; the weights wait in the store for the next Engine
-            raise ModelError("this model's experts belong to an Engine that failed to build, so the model cannot "
-                             "run on its own; build a new Engine over it (it takes the experts over)")
-        return runtime.run_layer(self.layer, hidden_states, top_k_index, top_k_weights, self.act_fn)
-
-    def extra_repr(self) -> str:
-        return f"layer={self.layer}, experts={self.num_experts}, offloaded"
 
 
 class OffloadRuntime:
@@ -86,41 +66,52 @@ class OffloadRuntime:
     def __init__(self, model: nn.Module, policy: ExpertCache, copy_engine: CopyEngine, device: torch.device | str,
                  store: HostExpertStore | None = None, compute: str = "auto") -> None:
         self.orphaned = False  # the Engine that built this runtime failed: the next one takes over its store
-        previous = _failed_build(model)
+        previous = failed_build(model)
         if previous is not None:  # the experts modules are ours already, their weights in its store
-            experts: list[tuple[str, nn.Module]] = sorted(
-                ((n, m) for n, m in model.named_modules() if isinstance(m, OffloadedExperts)), key=lambda nm: nm[1].layer)
-            spec = previous.spec
+            experts, spec = offloaded_experts(model), previous.spec
         else:
             experts = find_experts(model)
             spec = moe_spec(model, experts)
         self.device = torch.device(device)
         self.compute: ExpertCompute = make_expert_compute(compute, self.device)
         if store is not None:  # a loader's store: it must fit the model
-            spec = _store_spec(spec, store)
+            spec = store_spec(spec, store)
         elif previous is not None:
             store = previous.store
         self.spec = spec
         self.policy = policy
         self.copy_engine = copy_engine
-        _check_copy_order(copy_engine)
+        check_copy_order(copy_engine)
         self.slots_per_layer = bind_cache(policy, spec)
         preload = cache_preload(policy, spec, self.slots_per_layer)
         # every expert of every layer preloaded (cache=full): the slots will hold the only copy
         self.preloads_all = self.slots_per_layer == spec.num_experts and all(
             len(preload.get(layer, ())) == spec.num_experts for layer in range(spec.num_layers))
+        self.store = self._host_store(experts, store)
+        swap_in(model, experts, self)  # the replaced modules: their weights are in the store, or were never loaded
+        self._init_state()
+        try:
+            self._preload(preload)
+        except BaseException:  # the modules are swapped: the next Engine takes over the store
+            self.orphan()
+            raise
+        model.register_forward_pre_hook(lambda *_: self.begin_pass())
+
+    def _host_store(self, experts: list[tuple[str, nn.Module]], store: HostExpertStore | None) -> HostExpertStore:
+        """The experts' host copy: ``store`` (a loader's, or an earlier runtime's), else built from the
+        modules (which frees their weights); checked readable by the copy engine unless every expert
+        is preloaded. Called before the modules are swapped."""
         built = store is None
         if built:  # pinned for fast copies, unless it is only read once by the preload
-            store = HostExpertStore.from_modules(experts, spec, pin=self.device.type == "cuda" and not self.preloads_all)
-        if not self.preloads_all:  # a full cache copies nothing through the engine; checked before the swap below
-            _check_store_readable(copy_engine, store, self.device,
-                                  " (the model's experts are in that store now: load the model again)" if built else "")
-        self.store = store
-        for layer, (name, module) in enumerate(experts):
-            parent_name, _, attr = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, attr, OffloadedExperts(self, layer, getattr(module, "act_fn", None)))
-        experts.clear()  # the replaced modules: their weights are in the store, or were never loaded
+            store = HostExpertStore.from_modules(experts, self.spec, pin=self.device.type == "cuda" and not self.preloads_all)
+        if not self.preloads_all:  # a full cache copies nothing through the engine; checked before the swap
+            check_store_readable(self.copy_engine, store, self.device,
+                                 " (the model's experts are in that store now: load the model again)" if built else "")
+        return store
+
+    def _init_state(self) -> None:
+        """The resident map, the statistics and the bookkeeping of copies, prefetches and rounds."""
+        spec = self.spec
         self.slot_expert = np.full((spec.num_layers, self.slots_per_layer), -1, dtype=np.int64)
         # the expert whose copy into each slot was issued (or preloaded): where it differs from
         # slot_expert, an admission was recorded but an exception came before its copy (see _repair)
@@ -139,12 +130,6 @@ class OffloadRuntime:
         self._said_no_prefetch = False
         self.slots: list[torch.Tensor] = []
         self._views: list[SlotViews] = []
-        try:
-            self._preload(preload)
-        except BaseException:  # the modules are swapped: the next Engine takes over the store
-            self.orphan()
-            raise
-        model.register_forward_pre_hook(lambda *_: self.begin_pass())
 
     def orphan(self) -> None:
         """Its Engine failed to build: the next runtime over the model takes over the store. The
@@ -452,296 +437,3 @@ class OffloadRuntime:
             torch._C._host_emptyCache()
 
 
-def _failed_build(model: nn.Module) -> OffloadRuntime | None:
-    """The runtime whose Engine failed to build over ``model`` (its experts modules swapped, their
-    weights in its store), which a new runtime takes over; None for a model no Engine holds. A
-    model a working Engine holds, or whose store a failed full-cache build already dropped, is a
-    ModelError."""
-    held = {id(m._runtime): m._runtime for m in model.modules() if isinstance(m, OffloadedExperts)}
-    if not held:
-        return None
-    previous = next(iter(held.values()))
-    if len(held) == 1 and previous.orphaned:
-        if any(layer is None for layer in previous.store.layers):
-            raise ModelError(f"this {type(model).__name__}'s experts were in the device slots of an Engine that failed "
-                             "to build (cache=full drops their host copy): load the model again")
-        return previous
-    raise ModelError(f"this {type(model).__name__}'s experts are held by another Engine (an Engine moves a model's "
-                     "experts into its own store): reuse that Engine, load the model again, or load it once for "
-                     "several engines with specfit.api.load_shared_target")
-
-
-def _check_copy_order(copy_engine: CopyEngine) -> None:
-    """The runtime keeps no per-slot event of a slot's last use: a copy engine (or the engine an
-    emulated link wraps) must order its copies after the compute queued before them, or a copy
-    could overwrite a slot that queued compute still reads."""
-    for engine in _engines_within(copy_engine):
-        if getattr(engine, "order_after_compute", True) is False:
-            raise ConfigError(f"copy engine {type(engine).__name__} has order_after_compute=False: the offload "
-                              "runtime tracks no per-slot last use, so its copies must wait for queued compute")
-
-
-def _engines_within(copy_engine: CopyEngine) -> Iterator[Any]:
-    """The copy engine and the engines it wraps (an emulated link's real engine, ``inner``)."""
-    engine: Any = copy_engine
-    while engine is not None:
-        yield engine
-        engine = getattr(engine, "inner", None)
-
-
-def _check_store_readable(copy_engine: CopyEngine, store: HostExpertStore, device: torch.device,
-                          after: str = "") -> None:
-    """The Triton engine's kernel reads the host store directly on CUDA, which needs pinned memory:
-    a store that could not be pinned throughout (pinned memory ran out part-way) is named now, not
-    at the first copy from one of its pageable layers, mid-decode."""
-    if device.type != "cuda" or not any(getattr(e, "name", None) == "triton" for e in _engines_within(copy_engine)):
-        return
-    pageable = [i for i, t in enumerate(store.layers) if t is not None and t.device.type == "cpu" and not t.is_pinned()]
-    if pageable:
-        raise ConfigError(f"cache.copy=triton reads the host expert store from the GPU, which needs pinned memory, "
-                          f"but {len(pageable)} of its {len(store.layers)} layers are not pinned (pinning failed, or "
-                          f"the loader did not ask for it): use cache.copy=torch, or free pinned memory{after}")
-
-
-def _store_spec(model_spec: MoESpec, store: HostExpertStore) -> MoESpec:
-    """The runtime's spec with a loader's store: the model's shapes, the store's dtype (the experts may
-    stay bf16 under fp32 activations); a store of other shapes is a ModelError."""
-    given = store.spec
-    for field_name in ("num_layers", "num_experts", "hidden_size", "intermediate_size", "layout"):
-        if getattr(given, field_name) != getattr(model_spec, field_name):
-            raise ModelError(f"expert store: {field_name} {getattr(given, field_name)} does not match the model's "
-                             f"{getattr(model_spec, field_name)}")
-    return dataclasses.replace(model_spec, dtype=given.dtype)
-
-
-def bind_cache(policy: ExpertCache, spec: MoESpec) -> int:
-    """``policy.bind(spec)``: the slots per layer to allocate, at least the model's top-k."""
-    slots = guard.check_count("cache", policy, "bind", guard.call("cache", policy, "bind", spec), "the slots per layer")
-    if slots < spec.top_k:
-        raise guard.violation("cache", policy, "bind", f"asked for {slots} slots per layer, below top-k {spec.top_k}")
-    return slots
-
-
-def cache_preload(policy: ExpertCache, spec: MoESpec, slots: int) -> dict[int, list[tuple[int, int]]]:
-    """``policy.preload()`` checked and grouped by layer: {layer: [(expert, slot), ...]}."""
-    by_layer: dict[int, list[tuple[int, int]]] = {}
-    entries = guard.call("cache", policy, "preload")
-    if not is_collection(entries):
-        raise guard.violation("cache", policy, "preload", f"must return a list of (layer, expert, slot), got "
-                              f"{entries!r:.40}")
-    for entry in entries:
-        try:
-            layer, expert, slot = (int(x) for x in entry)
-        except (TypeError, ValueError):
-            raise guard.violation("cache", policy, "preload", f"entries must be (layer, expert, slot) ints, got {entry!r:.60}") from None
-        if not (0 <= layer < spec.num_layers and 0 <= expert < spec.num_experts and 0 <= slot < slots):
-            raise guard.violation("cache", policy, "preload", f"(layer {layer}, expert {expert}, slot {slot}) is out of range "
-                                  f"({spec.num_layers} layers, {spec.num_experts} experts, {slots} slots)")
-        by_layer.setdefault(layer, []).append((expert, slot))
-    for layer, loads in by_layer.items():
-        if len({s for _, s in loads}) != len(loads):
-            raise guard.violation("cache", policy, "preload", f"two experts go into one slot of layer {layer}")
-    return by_layer
-
-
-def cache_resident(policy: ExpertCache, spec: MoESpec) -> np.ndarray:
-    """``policy.resident()``: bool [layers, experts], as selectors and cost models read it."""
-    resident = guard.call("cache", policy, "resident")
-    shape = (spec.num_layers, spec.num_experts)
-    if not isinstance(resident, np.ndarray) or resident.dtype != np.bool_ or resident.shape != shape:
-        got = f"{resident.dtype} of shape {list(resident.shape)}" if isinstance(resident, np.ndarray) else type(resident).__name__
-        raise guard.violation("cache", policy, "resident", f"must return a bool array of shape {list(shape)}, got {got}")
-    return resident
-
-
-@dataclass
-class Round:
-    """One admission round of a layer's pass: what the runtime copies and computes.
-
-    ``slots``: every expert the round computes, and its slot. ``loads``: the round's misses (the
-    policy's admission), issued now (``fresh``) or by the round before it. ``ahead``: the next
-    round's copies into slots this round does not use, issued now, before this round computes
-    (demand copies issued early: the next round counts them as misses, not as prefetches).
-    """
-
-    slots: dict[int, int]
-    loads: list[tuple[int, int]]
-    fresh: list[tuple[int, int]]
-    ahead: list[tuple[int, int]] = field(default_factory=list)
-
-
-def can_prefetch(policy: ExpertCache) -> bool:
-    """Whether ``policy`` has its own ``admit_prefetch`` (``ExpertCacheBase``'s default admits nothing)."""
-    hook = getattr(type(policy), "admit_prefetch", None)
-    return hook is not None and hook is not ExpertCacheBase.admit_prefetch
-
-
-def admission_rounds(policy: ExpertCache, slot_expert: np.ndarray, layer: int, needed: list[int]) -> Iterator[Round]:
-    """Ask ``policy`` round by round until every expert in ``needed`` has been admitted.
-
-    ``slot_expert[layer, slot]`` is the ground truth of which expert each slot holds; every
-    admission is checked against it (a policy bug must fail loudly, never compute with the wrong
-    weights) and its loads are recorded in it. The offload runtime copies and computes each round;
-    a trace replay only counts them, so both go through this one function.
-
-    A union that fits the slots is one round. A larger one is pipelined when the policy can prefetch
-    (:func:`_pipelined_rounds`); otherwise (``cache=none``: scratch slots reused every round) each
-    round admits what it can and its copies wait for the round before it to finish.
-    """
-    if len(needed) > slot_expert.shape[1] and can_prefetch(policy):
-        yield from _pipelined_rounds(policy, slot_expert[layer], layer, needed)
-        return
-    remaining = needed
-    while remaining:
-        admission = _admit(policy, slot_expert[layer], layer, remaining)
-        yield Round(admission.slots, admission.loads, admission.loads)
-        remaining = [e for e in remaining if e not in admission.slots]
-
-
-def _pipelined_rounds(policy: ExpertCache, row: np.ndarray, layer: int, needed: list[int]) -> Iterator[Round]:
-    """Rounds of at most half the slots, resident experts first; each round's successor is admitted
-    before the round computes, and those of its copies that go to slots the round does not compute
-    on are issued with the round (``ahead``), so they land while it computes. A copy the policy puts
-    into a slot of the computing round is held back until that round is done (``fresh`` of the
-    next), so the policy still decides every placement and no slot is overwritten while in use.
-
-    A later round that runs out of resident experts is filled up with misses (six hits and many
-    misses through 8 slots: rounds of 4 hits, 2 hits and 2 misses, then 4 misses, not a round of 2
-    hits alone that hides little of the copies after it).
-
-    Half the slots, so that the next round's copies outlast the current round's compute: on the demo
-    pair's EAGLE-3 passes (about 19 experts a layer through 8 slots) a round computes in about 1 ms
-    on a CPU, 2.7 experts of link time (0.38 ms each); rounds of 3, 5 or 6 measured within noise
-    of 4, and the stall per token fell from 14.0 to 7.7 ms. A union that fits stays one round:
-    computing its hits first would add a round whose fixed cost (about 0.6 ms for an AR pass on
-    a CPU) is more than the copy time it would hide.
-    """
-    chunk = max(1, len(row) // 2)
-
-    def wanted(remaining: list[int], first: bool = False) -> list[int]:
-        held = set(row.tolist())
-        hits = [e for e in remaining if e in held]
-        if first:  # a first round's copies cannot be hidden: it computes hits only, if it has any
-            return hits[:chunk] or remaining[:chunk]
-        # later rounds fill up with misses: admitted while the round before computes, they travel then
-        return (hits + [e for e in remaining if e not in held])[:chunk]
-
-    remaining = needed
-    admission = _admit(policy, row, layer, wanted(remaining, first=True))
-    fresh = admission.loads
-    while True:
-        remaining = [e for e in remaining if e not in admission.slots]
-        if not remaining:
-            yield Round(admission.slots, admission.loads, fresh)
-            return
-        following = _admit(policy, row, layer, wanted(remaining))
-        busy = set(admission.slots.values())
-        yield Round(admission.slots, admission.loads, fresh, [(e, s) for e, s in following.loads if s not in busy])
-        fresh = [(e, s) for e, s in following.loads if s in busy]
-        admission = following
-
-
-def _admit(policy: ExpertCache, row: np.ndarray, layer: int, wanted: list[int]) -> Admission:
-    """``policy.admit(layer, wanted)``, checked against the layer's slots ``row``; its loads recorded there."""
-    admission = guard.call("cache", policy, "admit", layer, wanted)
-    _check_admission(policy, row, layer, wanted, admission)
-    for expert, slot in admission.loads:
-        row[slot] = expert
-    return admission
-
-
-def prefetch_loads(policy: ExpertCache, row: np.ndarray, layer: int, asked: list[int],
-                   busy: Callable[[], Iterable[int]], cannot: Callable[[], None]) -> list[tuple[int, int]]:
-    """The checked (expert, slot) loads of a prefetch of ``asked`` (distinct, most wanted first) into
-    one layer's slots ``row``; the live runtime and the replay's modelled link decide with it.
-
-    Experts already held are not copied, and are protected from eviction with ``busy()`` (those in
-    flight or in use): evicting an expert the request names would defeat it. A policy without its
-    own ``admit_prefetch`` admits nothing: ``cannot()`` is called (when there is something to
-    copy) and no load returned. ``busy`` is called only when the policy is asked."""
-    held = set(row.tolist())
-    candidates = [e for e in asked if e not in held]
-    if not candidates:
-        return []
-    if not can_prefetch(policy):
-        cannot()
-        return []
-    protected = frozenset(busy()).union(e for e in asked if e in held)
-    admission = guard.call("cache", policy, "admit_prefetch", layer, list(candidates), protected)
-    return check_prefetch_admission(policy, row, layer, candidates, protected, admission)
-
-
-def check_prefetch_admission(policy: ExpertCache, slots: np.ndarray, layer: int, candidates: list[int],
-                             protected: frozenset[int], admission: Any) -> list[tuple[int, int]]:
-    """The (expert, slot) loads of a prefetch admission the runtime may copy: wanted candidates into
-    distinct slots in range, never over a protected expert (in flight or needed by the layer now
-    computing). ``slots`` is the layer's real slot contents; live decoding and the replay's modelled
-    link check with this one function. A violation is a PluginError naming the cache."""
-    def bad(message: str) -> PluginError:
-        return guard.violation("cache", policy, "admit_prefetch", f"layer {layer}: {message}")
-
-    chosen_slots, loads = _admission_fields(admission, bad)
-    loaded = _loads_by_expert(loads, bad)
-    if len(loaded) != len(loads) or len(set(loaded.values())) != len(loads):
-        raise bad("lists an expert twice, or two experts in one slot, in its loads")
-    if loaded != chosen_slots:
-        raise bad("slots and loads differ: a prefetch admits exactly the experts it loads")
-    wanted = set(candidates)
-    for expert, slot in loaded.items():
-        if expert not in wanted:
-            raise bad(f"prefetches expert {expert!r:.20}, which was not a candidate")
-        if not _is_slot(slot, len(slots)):
-            raise bad(f"puts expert {expert} in slot {slot!r:.20}, outside 0..{len(slots) - 1}")
-        if int(slots[slot]) in protected:
-            raise bad(f"evicts expert {int(slots[slot])} from slot {slot}, which is in flight or needed by the "
-                      "layer now computing")
-    return [(int(e), int(s)) for e, s in loaded.items()]
-
-
-def _admission_fields(admission: Any, bad: Callable[[str], PluginError]) -> tuple[dict, list | tuple]:
-    """An admission's ``slots`` (dict) and ``loads`` (list), or the error ``bad`` makes of its type."""
-    chosen_slots = getattr(admission, "slots", None)
-    loads = getattr(admission, "loads", None)
-    if not isinstance(chosen_slots, dict) or not isinstance(loads, (list, tuple)):
-        raise bad(f"returned {type(admission).__name__}, expected an Admission(slots: dict, loads: list)")
-    return chosen_slots, loads
-
-
-def _loads_by_expert(loads: list | tuple, bad: Callable[[str], PluginError]) -> dict:
-    """``{expert: slot}`` of an admission's loads, or the error ``bad`` makes when they are not pairs."""
-    try:
-        return dict(loads)
-    except (TypeError, ValueError):
-        raise bad("loads must be (expert, slot) pairs") from None
-
-
-def _is_slot(slot: Any, slots: int) -> bool:
-    """Whether ``slot`` is an integer slot index in ``0..slots - 1`` (a bool is not)."""
-    return not isinstance(slot, (bool, np.bool_)) and isinstance(slot, (int, np.integer)) and 0 <= slot < slots
-
-
-def _check_admission(policy: ExpertCache, slots: np.ndarray, layer: int, wanted: list[int], admission: Admission) -> None:
-    """An admission the runtime may compute with: every admitted expert wanted and in its own slot
-    in range, the loads exactly the admitted experts that are not resident already."""
-    def bad(message: str) -> PluginError:
-        return guard.violation("cache", policy, "admit", f"layer {layer}: {message}")
-
-    chosen_slots, loads = _admission_fields(admission, bad)
-    if not chosen_slots:
-        raise bad(f"admitted none of the wanted experts {wanted[:8]}{'...' if len(wanted) > 8 else ''}")
-    chosen = list(chosen_slots.values())
-    if len(set(chosen)) != len(chosen):
-        raise bad("put two experts in one slot")
-    loaded = _loads_by_expert(loads, bad)
-    if len(loaded) != len(loads):
-        raise bad("lists an expert twice in its loads")
-    wanted_set = set(wanted)
-    for expert, slot in chosen_slots.items():
-        if expert not in wanted_set:
-            raise bad(f"admitted expert {expert!r:.20}, which was not wanted")
-        if not _is_slot(slot, len(slots)):
-            raise bad(f"admitted expert {expert} to slot {slot!r:.20}, outside 0..{len(slots) - 1}")
-        if expert not in loaded and slots[slot] != expert:
-            raise bad(f"claims expert {expert} is resident in slot {slot}, it is not")
-    if any(loaded[e] != chosen_slots.get(e) for e in loaded):
-        raise bad("loads an expert it did not admit, or into another slot")

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from specfit.types.moe import MoESpec, expert_layout, row_parts
+from specfit.types.moe import MoESpec, row_parts
+from specfit.offload.discovery import expert_layout
 from specfit.errors import ModelError
 
 #: What :meth:`HostExpertStore.write` accepts, and the units :meth:`HostExpertStore.missing` tracks.

@@ -1,6 +1,8 @@
 """Exact maximum of predicted throughput rho(S) = N(S) / T(S) over ancestor-closed subtrees.
 
-Method (docs/method.md section 3):
+Method (docs/method.md section 3); the item bitsets and set evaluation are
+:mod:`specfit.search.bitsets`, the pruning, folding and minimum cut at a fixed lambda
+:mod:`specfit.search.closure`, and this module is Dinkelbach's loop, the surplus and the public API:
 
 * Dinkelbach on the ratio. lambda starts at rho of the best known set (the empty set, a
   marginal-ratio greedy's set, the caller's `initial`); for fixed lambda, S' = argmax
@@ -45,10 +47,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
-from specfit.search.maxflow import build_residual, dinic, residual_reachable
+from specfit.search.bitsets import _evaluate, _expert_bitsets, _greedy, _wait_bits
+from specfit.search.closure import _maximise_at, _topmost
 from specfit.search.problem import SearchProblem
 
 __all__ = ["SearchResult", "TIE_RTOL", "greedy", "solve", "solve_surplus"]
@@ -88,419 +90,7 @@ class SearchResult:
 
 
 # ----------------------------------------------------------------------------------------------
-# bit tricks: expert sets are bitsets, one uint64 word per 64 experts of a layer
-
-
-@intrinsic
-def _popcount(typingctx, x):
-    """Number of set bits of a uint64 (LLVM ctpop: one instruction on x86-64)."""
-    sig = types.int64(types.uint64)
-
-    def codegen(context, builder, signature, args):
-        return builder.ctpop(args[0])
-
-    return sig, codegen
-
-
-@intrinsic
-def _lowest_bit(typingctx, x):
-    """Index of the lowest set bit of a non-zero uint64 (LLVM cttz)."""
-    sig = types.int64(types.uint64)
-
-    def codegen(context, builder, signature, args):
-        return builder.cttz(args[0], context.get_constant(types.boolean, True))
-
-    return sig, codegen
-
-
-_ONE = np.uint64(1)
-
-
-@njit(cache=True)
-def _expert_bitsets(node_experts, root_experts, resident, n_words):
-    """own[v, ly, w], root[ly, w], res[ly, w]: expert sets as bitsets (-1 entries ignored)."""
-    n, n_layers, top_k = node_experts.shape
-    n_experts = resident.shape[1]
-    own = np.zeros((n, n_layers, n_words), dtype=np.uint64)
-    own_rows = own.reshape(n * n_layers, n_words)  # views: flat loops are faster
-    ids = node_experts.reshape(n * n_layers, top_k)
-    for r in range(n * n_layers):
-        for k in range(top_k):
-            e = ids[r, k]
-            if e >= 0:
-                own_rows[r, e >> 6] |= _ONE << np.uint64(e & 63)
-    root = np.zeros((n_layers, n_words), dtype=np.uint64)
-    res = np.zeros((n_layers, n_words), dtype=np.uint64)
-    for ly in range(n_layers):
-        for k in range(root_experts.shape[1]):
-            e = root_experts[ly, k]
-            if e >= 0:
-                root[ly, e >> 6] |= _ONE << np.uint64(e & 63)
-        for w in range(n_words):
-            word = np.uint64(0)
-            for b in range(min(64, n_experts - 64 * w)):
-                if resident[ly, 64 * w + b]:
-                    word |= _ONE << np.uint64(b)
-            res[ly, w] = word
-    return own, root, res
-
-
-@njit(cache=True)
-def _wait_bits(wait, n_words):
-    """arr[ly, w]: the items that cost c_hit + wait (wait > 0, an expert still in flight), and
-    their waits as extra[ly, 64 w + b]. Usually empty; then every sum below adds 0.0."""
-    n_layers, n_experts = wait.shape
-    arr = np.zeros((n_layers, n_words), dtype=np.uint64)
-    extra = np.zeros((n_layers, n_words * 64), dtype=np.float64)
-    for ly in range(n_layers):
-        for e in range(n_experts):
-            if wait[ly, e] > 0.0:
-                arr[ly, e >> 6] |= _ONE << np.uint64(e & 63)
-                extra[ly, e] = wait[ly, e]
-    return arr, extra
-
-
-@njit(cache=True)
-def _waited(x, ly, w, extra, total):
-    """total plus the waits of the items in bitset word x, added one by one in ascending order
-    (the order problem.evaluate adds them in, so the two agree to the last bit)."""
-    while x:
-        b = _lowest_bit(x)
-        x &= x - _ONE
-        total += extra[ly, w * 64 + b]
-    return total
-
-
-@njit(cache=True)
-def _charge(x, ly, w, res, arr, extra, n_hit, n_miss, waited):
-    """(n_hit, n_miss, waited) with the items of bitset word x added: resident ones as hits, the
-    rest as misses, and the waits of those still arriving (every caller counts items this way)."""
-    return (n_hit + _popcount(x & res[ly, w]), n_miss + _popcount(x & ~res[ly, w]),
-            _waited(x & arr[ly, w], ly, w, extra, waited))
-
-
-@njit(cache=True)
-def _items_seconds(items, covered, res, arr, extra, c_miss, c_hit):
-    """Seconds of the items in ``items`` [layers, words] that ``covered`` does not hold: a node's
-    private items (pruning) or those it would add to a subtree (greedy)."""
-    n_layers, n_words = items.shape
-    n_miss = 0
-    n_hit = 0
-    waited = 0.0
-    for ly in range(n_layers):
-        for w in range(n_words):
-            x = items[ly, w] & ~covered[ly, w]
-            if x:
-                n_hit, n_miss, waited = _charge(x, ly, w, res, arr, extra, n_hit, n_miss, waited)
-    return c_miss * n_miss + c_hit * n_hit + waited
-
-
-@njit(cache=True)
-def _evaluate(mask, accept, own, root, res, arr, extra, c0, c_tok, c_miss, c_hit, draft):
-    """(N, T, |S|) of a node set: the same formula and summation order for T as
-    problem.evaluate, so the two agree to the last bit on T."""
-    n_layers, n_words = root.shape
-    size = 0
-    n_exp = 0.0
-    n_miss = 0
-    n_hit = 0
-    waited = 0.0
-    for v in range(mask.shape[0]):
-        if mask[v]:
-            size += 1
-            n_exp += accept[v]
-    for ly in range(n_layers):
-        for w in range(n_words):
-            u = root[ly, w]
-            for v in range(mask.shape[0]):
-                if mask[v]:
-                    u |= own[v, ly, w]
-            n_hit, n_miss, waited = _charge(u, ly, w, res, arr, extra, n_hit, n_miss, waited)
-    t = c0 + c_tok * (size + 1) + c_miss * n_miss + c_hit * n_hit + waited + draft
-    return 1.0 + n_exp, t, size
-
-
-@njit(cache=True)
-def _topmost(own, root, res, arr, parents, alive, c_miss, c_hit):
-    """new[v] = the items v activates that neither the root nor any ancestor activates: v is a
-    topmost user of exactly these, and only topmost users need an arc to an item. Items that
-    cost nothing (c_miss or c_hit is 0) constrain nothing and are left out."""
-    n, n_layers, n_words = own.shape
-    cover = np.empty_like(own)  # root's and v's ancestors' and v's own items
-    zero = np.uint64(0)
-    new = np.zeros_like(own)
-    for v in range(n):
-        if not alive[v]:
-            continue
-        p = parents[v]
-        for ly in range(n_layers):
-            for w in range(n_words):
-                above = root[ly, w] if p < 0 else cover[p, ly, w]
-                costly = (~res[ly, w] if c_miss > 0.0 else zero) | (res[ly, w] if c_hit > 0.0
-                                                                     else zero) | arr[ly, w]
-                new[v, ly, w] = own[v, ly, w] & ~above & costly
-                cover[v, ly, w] = above | own[v, ly, w]
-    return new
-
-
-@njit(cache=True)
-def _prune(lam, node_ok, parents, accept, new, res, arr, extra, c_tok, c_miss, c_hit, profit,
-           twice):
-    """Bound pruning and folding at lambda, to a fixpoint (see the module docstring).
-
-    On return node_ok holds the surviving nodes, twice[ly, w] the items with >= 2 surviving
-    topmost users (the shared ones) and profit[v] = a_v - lam * (c_tok + cost of v's private
-    items) for the survivors.
-    """
-    n, n_layers, n_words = new.shape
-    once = np.empty((n_layers, n_words), dtype=np.uint64)
-    bound = np.empty(n, dtype=np.float64)
-    while True:
-        for ly in range(n_layers):
-            for w in range(n_words):
-                once[ly, w] = 0
-                twice[ly, w] = 0
-        for v in range(n):
-            if node_ok[v]:
-                for ly in range(n_layers):
-                    for w in range(n_words):
-                        x = new[v, ly, w]
-                        twice[ly, w] |= once[ly, w] & x
-                        once[ly, w] |= x
-        for v in range(n):
-            if not node_ok[v]:
-                continue
-            private = _items_seconds(new[v], twice, res, arr, extra, c_miss, c_hit)  # not shared with another node
-            profit[v] = accept[v] - lam * (c_tok + private)
-            bound[v] = profit[v]
-        for v in range(n - 1, -1, -1):  # bound[v]: best closed part of v's subtree, v included
-            p = parents[v]
-            if node_ok[v] and p >= 0 and bound[v] > 0.0:
-                bound[p] += bound[v]
-        changed = False
-        for v in range(n):
-            p = parents[v]
-            if node_ok[v] and (bound[v] <= 0.0 or (p >= 0 and not node_ok[p])):
-                node_ok[v] = False
-                changed = True
-        if not changed:
-            return
-
-
-@njit(cache=True)
-def _shared_items(node_ok, new, twice, res, extra, c_miss, c_hit, slot):
-    """The shared items as a CSR list: (item weights, first, users); users of an item are sorted
-    by node. `slot` (size L * W * 64, all -1) is scratch and is left all -1 again."""
-    n, n_layers, n_words = new.shape
-    n_pairs = 0
-    for v in range(n):
-        if node_ok[v]:
-            for ly in range(n_layers):
-                for w in range(n_words):
-                    n_pairs += _popcount(new[v, ly, w] & twice[ly, w])
-    pair_item = np.empty(n_pairs, dtype=np.int64)
-    pair_node = np.empty(n_pairs, dtype=np.int64)
-    item_bit = np.empty(n_pairs, dtype=np.int64)
-    weight = np.empty(n_pairs, dtype=np.float64)
-    n_items = 0
-    j = 0
-    for v in range(n):  # v-major, so each item's users come out sorted
-        if not node_ok[v]:
-            continue
-        for ly in range(n_layers):
-            for w in range(n_words):
-                x = new[v, ly, w] & twice[ly, w]
-                while x:
-                    b = _lowest_bit(x)
-                    x &= x - _ONE
-                    bit = (ly * n_words + w) * 64 + b
-                    if slot[bit] < 0:
-                        slot[bit] = n_items
-                        item_bit[n_items] = bit
-                        resident = (res[ly, w] >> np.uint64(b)) & _ONE
-                        weight[n_items] = c_hit + extra[ly, w * 64 + b] if resident else c_miss
-                        n_items += 1
-                    pair_item[j] = slot[bit]
-                    pair_node[j] = v
-                    j += 1
-    first = np.zeros(n_items + 1, dtype=np.int64)
-    for j in range(n_pairs):
-        first[pair_item[j] + 1] += 1
-    for i in range(n_items):
-        first[i + 1] += first[i]
-    users = np.empty(n_pairs, dtype=np.int64)
-    pos = first[:n_items].copy()  # next free slot per item
-    for j in range(n_pairs):
-        i = pair_item[j]
-        users[pos[i]] = pair_node[j]
-        pos[i] += 1
-    for i in range(n_items):
-        slot[item_bit[i]] = -1
-    return weight[:n_items], first, users
-
-
-@njit(cache=True)
-def _same_users(a, b, first, users) -> bool:
-    if first[a + 1] - first[a] != first[b + 1] - first[b]:
-        return False
-    for t in range(first[a + 1] - first[a]):
-        if users[first[a] + t] != users[first[b] + t]:
-            return False
-    return True
-
-
-@njit(cache=True)
-def _merge_items(weight, first, users):
-    """Merge items with identical user lists: returns (group weights, representative item of each
-    group), groups in order of first appearance. An open-addressing hash table keyed by an FNV-1a
-    hash of the user list; equal hashes are confirmed by comparing the lists."""
-    n_items = weight.shape[0]
-    size = 4
-    while size < 2 * n_items:
-        size *= 2
-    table = np.full(size, -1, dtype=np.int64)  # group id per slot
-    hashes = np.empty(n_items, dtype=np.uint64)
-    gweight = np.zeros(n_items, dtype=np.float64)
-    grep = np.empty(n_items, dtype=np.int64)
-    n_groups = 0
-    mask = np.uint64(size - 1)
-    for i in range(n_items):
-        h = np.uint64(14695981039346656037)
-        for j in range(first[i], first[i + 1]):
-            h = (h ^ np.uint64(users[j] + 1)) * np.uint64(1099511628211)
-        hashes[i] = h
-        pos = np.int64(h & mask)
-        while True:
-            g = table[pos]
-            if g < 0:
-                table[pos] = n_groups
-                grep[n_groups] = i
-                gweight[n_groups] = weight[i]
-                n_groups += 1
-                break
-            if hashes[grep[g]] == h and _same_users(grep[g], i, first, users):
-                gweight[g] += weight[i]
-                break
-            pos = (pos + 1) & (size - 1)
-    return gweight[:n_groups], grep[:n_groups]
-
-
-@njit(cache=True)
-def _closure_cut(lam, node_ok, parents, accept, profit, gweight, grep, first, users, tie_rtol):
-    """Maximum-weight closure at lambda by one exact integer min cut.
-
-    Vertices: 0 source, 1 sink, then the surviving nodes, then the item groups. Returns the
-    source side's nodes (the inclusion-minimal maximiser of the rounded, tie-perturbed g),
-    and the network's vertex and arc counts.
-    """
-    n = parents.shape[0]
-    n_groups = gweight.shape[0]
-    gid = np.full(n, -1, dtype=np.int64)
-    n_ok = 0
-    p_plus = 0.0
-    n_all = 1.0
-    for v in range(n):
-        if node_ok[v]:
-            gid[v] = 2 + n_ok
-            n_ok += 1
-            if profit[v] > 0.0:
-                p_plus += profit[v]
-            if accept[v] > 0.0:
-                n_all += accept[v]
-    cand = np.zeros(n, dtype=np.bool_)
-    pert = tie_rtol / (4.0 * n_ok) * n_all  # tie-break perturbation per node, in tokens
-    if p_plus <= pert:
-        return cand, 0, 0  # every perturbed profit is negative: the empty closure
-    n_vert = 2 + n_ok + n_groups
-    m_max = 2 * n_ok + n_groups
-    for g in range(n_groups):
-        m_max += first[grep[g] + 1] - first[grep[g]]
-    tails = np.empty(m_max, dtype=np.int64)
-    heads = np.empty(m_max, dtype=np.int64)
-    caps = np.empty(m_max, dtype=np.int64)
-    # finite arcs first: one per node (source or sink side), one per item group
-    n_finite = n_ok + n_groups
-    scale = 2.0 ** 61 / p_plus  # total positive profit -> 2**61 units: no int64 overflow
-    k_tie = n_finite + 1 + np.int64(pert * scale)
-    src_total = 0
-    a = 0
-    for v in range(n):
-        if node_ok[v]:
-            x = min(max(profit[v] * scale, -4.0e18), 4.0e18)
-            c = np.int64(np.round(x)) - k_tie
-            if c > 0:
-                tails[a] = 0
-                heads[a] = gid[v]
-                caps[a] = c
-                src_total += c
-            else:
-                tails[a] = gid[v]
-                heads[a] = 1
-                caps[a] = -c
-            a += 1
-    inf = src_total + 1  # exceeds the cut around the source, so no minimum cut contains it
-    for a in range(n_ok):
-        if caps[a] > inf:
-            caps[a] = inf
-    for g in range(n_groups):
-        x = lam * gweight[g] * scale
-        tails[n_ok + g] = 2 + n_ok + g
-        heads[n_ok + g] = 1
-        caps[n_ok + g] = inf if x >= inf else min(np.int64(np.round(x)), inf)
-    m = n_finite
-    for v in range(n):
-        p = parents[v]
-        if node_ok[v] and p >= 0:
-            tails[m] = gid[v]
-            heads[m] = gid[p]
-            caps[m] = inf
-            m += 1
-    for g in range(n_groups):
-        item = grep[g]
-        for j in range(first[item], first[item + 1]):
-            tails[m] = gid[users[j]]
-            heads[m] = 2 + n_ok + g
-            caps[m] = inf
-            m += 1
-    res_first, head, cap, rev, _fwd = build_residual(n_vert, tails[:m], heads[:m], caps[:m])
-    dinic(res_first, head, cap, rev, 0, 1)
-    side = residual_reachable(res_first, head, cap, 0)
-    for v in range(n):
-        if node_ok[v] and side[gid[v]]:
-            cand[v] = True
-    return cand, n_vert, m
-
-
-@njit(cache=True)
-def _greedy(alive, parents, accept, own, root, res, arr, extra, c_tok, c_miss, c_hit, n0, t0):
-    """Marginal-ratio greedy: from the empty set, repeatedly add the frontier node with the best
-    ratio a_v / (marginal time) while that exceeds the current rho. Returns (mask, N, T)."""
-    n, n_layers, n_words = own.shape
-    cov = root.copy()
-    mask = np.zeros(n, dtype=np.bool_)
-    n_cur = n0
-    t_cur = t0
-    while True:
-        best_v = -1
-        best_ratio = n_cur / t_cur
-        best_dt = 0.0
-        for v in range(n):
-            p = parents[v]
-            if mask[v] or not alive[v] or (p >= 0 and not mask[p]):
-                continue
-            dt = c_tok + _items_seconds(own[v], cov, res, arr, extra, c_miss, c_hit)
-            if accept[v] > best_ratio * dt:  # improves rho, and beats the best so far
-                best_ratio = accept[v] / dt if dt > 0.0 else np.inf
-                best_v = v
-                best_dt = dt
-        if best_v < 0 or (n_cur + accept[best_v]) / (t_cur + best_dt) <= n_cur / t_cur:
-            return mask, n_cur, t_cur  # nothing raises rho (in floats, too)
-        mask[best_v] = True
-        n_cur += accept[best_v]
-        t_cur += best_dt
-        for ly in range(n_layers):
-            for w in range(n_words):
-                cov[ly, w] |= own[best_v, ly, w]
+# the search kernels: Dinkelbach on the ratio, the surplus at a fixed rate, the greedy baseline
 
 
 @njit(cache=True)
@@ -512,12 +102,29 @@ def _copy_into(dst, src):
 @njit(cache=True)
 def _solve_kernel(parents, accept, node_experts, root_experts, resident, wait, c0, c_tok, c_miss,
                   c_hit, draft, allowed, initial, use_initial, merge, warm, tie_rtol, max_iter):
-    n = parents.shape[0]
     n_layers = resident.shape[0]
     n_words = (resident.shape[1] + 63) >> 6
     own, root, res, arr, extra, alive, depth, new = _prepare(parents, node_experts, root_experts,
                                                              resident, wait, allowed, c_miss, c_hit)
+    best, best_n, best_t, best_size = _start(alive, parents, accept, own, root, res, arr, extra, c0,
+                                             c_tok, c_miss, c_hit, draft, initial, use_initial, warm,
+                                             tie_rtol)
+    (best_n, best_t, iterations, maxflow_calls, max_vertices, max_arcs,
+     n_ok) = _dinkelbach(best, best_n, best_t, best_size, alive, parents, accept, own, root, res,
+                         arr, extra, new, n_layers, n_words, c0, c_tok, c_miss, c_hit, draft, merge,
+                         tie_rtol, max_iter)
+    max_depth, depth_counts = _depth_counts(best, depth)
+    return (best, best_n, best_t, iterations, maxflow_calls, max_depth, depth_counts,
+            max_vertices, max_arcs, n_ok)
 
+
+@njit(cache=True)
+def _start(alive, parents, accept, own, root, res, arr, extra, c0, c_tok, c_miss, c_hit, draft,
+           initial, use_initial, warm, tie_rtol):
+    """Dinkelbach's first set: the empty set, replaced by the greedy set (``warm``) and then by
+    ``initial`` (``use_initial``) where either's ratio beats it by more than tie_rtol. Returns
+    (mask, N, T, |S|)."""
+    n = parents.shape[0]
     best = np.zeros(n, dtype=np.bool_)
     best_n, best_t, best_size = _evaluate(best, accept, own, root, res, arr, extra, c0, c_tok,
                                           c_miss, c_hit, draft)
@@ -535,8 +142,17 @@ def _solve_kernel(parents, accept, node_experts, root_experts, resident, wait, c
         if i_n / i_t > (best_n / best_t) * (1.0 + tie_rtol):
             _copy_into(best, initial)
             best_n, best_t, best_size = i_n, i_t, i_size
+    return best, best_n, best_t, best_size
 
-    # Dinkelbach. Pruning is cumulative: lambda never decreases.
+
+@njit(cache=True)
+def _dinkelbach(best, best_n, best_t, best_size, alive, parents, accept, own, root, res, arr, extra,
+                new, n_layers, n_words, c0, c_tok, c_miss, c_hit, draft, merge, tie_rtol, max_iter):
+    """Dinkelbach from the set ``best`` (updated in place): maximise g at lambda = its ratio, keep
+    the cut's set while its ratio rises by more than tie_rtol, a tie with fewer nodes, then stop.
+    Pruning is cumulative: lambda never decreases. Returns (N, T, iterations, cuts run, the
+    largest network's vertices and arcs, nodes left by the last pruning)."""
+    n = parents.shape[0]
     node_ok = alive.copy()
     profit = np.zeros(n, dtype=np.float64)
     twice = np.zeros((n_layers, n_words), dtype=np.uint64)
@@ -569,10 +185,7 @@ def _solve_kernel(parents, accept, node_experts, root_experts, resident, wait, c
             _copy_into(best, cand)
             best_n, best_t, best_size = c_n, c_t, c_size
         break
-
-    max_depth, depth_counts = _depth_counts(best, depth)
-    return (best, best_n, best_t, iterations, maxflow_calls, max_depth, depth_counts,
-            max_vertices, max_arcs, n_ok)
+    return best_n, best_t, iterations, maxflow_calls, max_vertices, max_arcs, n_ok
 
 
 @njit(cache=True)
@@ -605,30 +218,6 @@ def _surplus_kernel(parents, accept, node_experts, root_experts, resident, wait,
     max_depth, depth_counts = _depth_counts(best, depth)
     return (best, best_n, best_t, 1, 1 if cut else 0, max_depth, depth_counts, n_vert, n_arcs,
             n_ok)
-
-
-@njit(cache=True)
-def _maximise_at(lam, node_ok, parents, accept, new, res, arr, extra, c_tok, c_miss, c_hit,
-                 profit, twice, slot, merge, tie_rtol):
-    """The inclusion-minimal maximiser of g at lam over the nodes left in node_ok, which is pruned
-    in place (bound pruning and folding, then one cut on what survives). Returns (mask,
-    surviving nodes, whether a cut ran, its vertex and arc counts)."""
-    n = parents.shape[0]
-    _prune(lam, node_ok, parents, accept, new, res, arr, extra, c_tok, c_miss, c_hit, profit, twice)
-    n_ok = 0
-    for v in range(n):
-        if node_ok[v]:
-            n_ok += 1
-    if n_ok == 0:
-        return np.zeros(n, dtype=np.bool_), 0, False, 0, 0  # nothing can pay at lambda
-    weight, first, users = _shared_items(node_ok, new, twice, res, extra, c_miss, c_hit, slot)
-    if merge:
-        gweight, grep = _merge_items(weight, first, users)
-    else:
-        gweight, grep = weight.copy(), np.arange(weight.shape[0])
-    cand, n_vert, n_arcs = _closure_cut(lam, node_ok, parents, accept, profit, gweight, grep,
-                                        first, users, tie_rtol)
-    return cand, n_ok, True, n_vert, n_arcs
 
 
 @njit(cache=True)

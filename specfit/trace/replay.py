@@ -7,7 +7,7 @@ the trace: at the current position it rebuilds the recorded tree level by level 
 the predictor and the selector after each, with the simulated cache's residency and the measured
 or modelled draft time), reads the target's tokens off the recorded argmaxes, counts the cache
 hits and misses that the real cache policy (driven through
-:func:`specfit.offload.runtime.admission_rounds`) has on the recorded routing, and charges the cost
+:func:`specfit.offload.admission.admission_rounds`) has on the recorded routing, and charges the cost
 model's time for them, less the copy time a layer's pipelined rounds hide behind its compute
 (:func:`hidden_copy_seconds`, the live runtime's schedule); the cycle feeds the selector and
 predictor what the engine would, and the replay moves on by the tokens committed.
@@ -34,7 +34,7 @@ from specfit.types.costs import CostConstants, load_constants
 from specfit.types.context import TokenContext
 from specfit.decode.cycle import Cycle, CycleTimes, Verdict
 from specfit.interfaces.contracts import check_parts
-from specfit.offload.runtime import Round, admission_rounds, bind_cache, cache_preload, cache_resident
+from specfit.offload.admission import Round, admission_rounds, bind_cache, cache_preload, cache_resident
 from specfit.offload.prefetch import ModelledSink
 from specfit.decode.sampling import Sampler, SamplingParams
 from specfit.types.stats import CycleRecord, cycle_summary
@@ -200,7 +200,7 @@ def model_loader(trace: Trace, model_cfg: Any = None) -> Callable[[], Any]:
 
 def _check_model_matches(trace: Trace, model: Any, given: bool) -> None:
     """A predictor reading another model's routers would fail deep inside, or predict nonsense."""
-    from specfit.types.moe import moe_spec
+    from specfit.offload.discovery import moe_spec
 
     def shape(spec: Any) -> tuple[int, ...]:
         return tuple(int(getattr(spec, k)) for k in ("num_layers", "num_experts", "top_k", "hidden_size"))

@@ -115,7 +115,7 @@ def _cut(ids: list[int], keep: int) -> list[int]:
 
 def distill_data(cfg: DistillDataConfig) -> Path:
     """Write ``cfg.out`` (rows of prompt + greedy continuation) and a JSON summary beside it."""
-    from specfit.model.loading import load_tokenizer
+    from specfit.model.sources import load_tokenizer
     from specfit.files import check_writable
     from specfit.training.drafter import _set_threads, load_frozen_target
     from specfit.training.target import check_model_context, repeated_ngram_fraction

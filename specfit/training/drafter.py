@@ -555,7 +555,7 @@ def train_drafter(cfg: TrainDrafterConfig) -> Path:
         raise ConfigError(f"ttt_steps={cfg.ttt_steps} must be >= 1")
     if cfg.save_dtype not in DTYPES:
         raise ConfigError(f"save_dtype={cfg.save_dtype!r} is not one of {', '.join(DTYPES)}")
-    from specfit.model.loading import check_source, load_tokenizer
+    from specfit.model.sources import check_source, load_tokenizer
     from specfit.files import missing_directory
     from specfit.training.target import _check_saved_target
     from specfit.validation import device_arg
@@ -789,7 +789,8 @@ def acceptance_length(target_dir: str | os.PathLike[str], head_dir: str | os.Pat
     import torch
 
     from specfit.api import Engine
-    from specfit.model.loading import load_checkpoint, load_tokenizer
+    from specfit.model.checkpoint import load_checkpoint
+    from specfit.model.sources import load_tokenizer
     from specfit.plugins.drafters.eagle3.drafter import Eagle3Drafter
     from specfit.plugins.selectors.eagle3 import TopByPathProbSelector
 

@@ -32,7 +32,7 @@ from specfit.training.common import (
     JsonlLog, check_trainer_config, load_state, progress_bar, read_text_files, rng_state, set_rng_state, truncate_log, warmup_cosine_lr,
     write_json,
 )
-from specfit.model.loading import load_tokenizer  # the one tokenizer loader (tests import it from here too)
+from specfit.model.sources import load_tokenizer  # the one tokenizer loader (tests import it from here too)
 from specfit.data.paths import default_data_dir
 
 TOKENIZER_HINT = " (train one with `specfit train-tokenizer` first)"
@@ -455,7 +455,7 @@ def train_target(cfg: TrainTargetConfig) -> Path:
     """
     import torch
 
-    from specfit.model.loading import TOKENIZER_HUB_FILES, check_source
+    from specfit.model.sources import TOKENIZER_HUB_FILES, check_source
     from specfit.validation import device_arg
 
     # before anything is written: a mistyped path creates no out_dir and deletes no earlier log
@@ -758,7 +758,7 @@ def evaluate_target(model_dir: str | os.PathLike[str], data_dir: str | os.PathLi
 def check_model_context(model_dir: str, seq_len: int, key: str = "model_dir") -> None:
     """``model_dir`` (the setting ``key``) is a saved model whose context holds ``seq_len`` tokens
     (before minutes of work)."""
-    from specfit.model.loading import check_source
+    from specfit.model.sources import check_source
 
     check_source(model_dir, key)
     context = _check_saved_target(model_dir, key).get("max_position_embeddings")

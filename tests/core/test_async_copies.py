@@ -9,8 +9,10 @@ import torch
 from conftest import tiny_model
 
 from specfit import Engine
-from specfit.offload.copy import engines as copy_engines
-from specfit.offload.copy.engines import CopyTicket, EmulatedLinkEngine, TorchCopyEngine
+from specfit.offload.copy import emulated as copy_emulated
+from specfit.offload.copy.base import CopyTicket
+from specfit.offload.copy.emulated import EmulatedLinkEngine
+from specfit.offload.copy.torch import TorchCopyEngine
 from specfit.types.link_profiles import LinkSettings
 from specfit.plugins.caches.lru import LRUCache
 
@@ -152,11 +154,11 @@ def test_a_short_wait_spins_and_a_long_one_sleeps_only_beyond_the_spin(monkeypat
         slept.append(seconds)
         now[0] += seconds
 
-    monkeypatch.setattr(copy_engines.time, "perf_counter", clock)
-    monkeypatch.setattr(copy_engines.time, "sleep", sleep)
-    copy_engines._wait_until(1e-3)  # a per-layer wait on the demo: spun whole
+    monkeypatch.setattr(copy_emulated.time, "perf_counter", clock)
+    monkeypatch.setattr(copy_emulated.time, "sleep", sleep)
+    copy_emulated._wait_until(1e-3)  # a per-layer wait on the demo: spun whole
     assert now[0] >= 1e-3 and slept == []
-    copy_engines._wait_until(now[0] + 5e-3)
+    copy_emulated._wait_until(now[0] + 5e-3)
     assert slept == [pytest.approx(3e-3, abs=1e-4)]
 
 

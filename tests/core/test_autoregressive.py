@@ -7,7 +7,8 @@ import torch
 from conftest import ARCHITECTURES, TRITON_ON_CPU, tiny_model
 
 from specfit import Engine
-from specfit.offload.copy.engines import EmulatedLinkEngine, TorchCopyEngine
+from specfit.offload.copy.emulated import EmulatedLinkEngine
+from specfit.offload.copy.torch import TorchCopyEngine
 from specfit.types.link_profiles import LinkSettings
 from specfit.plugins.caches.full import FullCache
 from specfit.plugins.caches.lru import LRUCache

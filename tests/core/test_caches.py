@@ -7,7 +7,7 @@ import pytest
 from conftest import tiny_model
 
 from specfit import Engine
-from specfit.types.moe import moe_spec
+from specfit.offload.discovery import moe_spec
 from specfit.errors import ConfigError, ModelError, PluginError
 from specfit.interfaces import Admission
 from specfit.plugins.caches.full import FullCache

@@ -12,15 +12,13 @@ import time
 
 import pytest
 
-from specfit.offload.copy import engines as ce
-from specfit.offload.copy.engines import (
-    CopyEngine,
-    CopyRecord,
-    EmulatedLinkEngine,
-    TorchCopyEngine,
-    TritonCopyEngine,
-    make_copy_engine,
-)
+from specfit.offload.copy import base as copy_base
+from specfit.offload.copy import triton as copy_triton
+from specfit.offload.copy.base import CopyEngine, CopyRecord
+from specfit.offload.copy.emulated import EmulatedLinkEngine
+from specfit.offload.copy.torch import TorchCopyEngine
+from specfit.offload.copy.triton import TritonCopyEngine
+from specfit.offload.copy.factory import make_copy_engine
 from specfit.types.link_profiles import LinkSettings
 from specfit.types.link_profiles import PROFILES, UnknownLinkProfileError, get_profile
 
@@ -98,13 +96,13 @@ def test_triton_word_size_follows_alignment(triton_engine):
     triton_engine.copy(store, torch.tensor([5, 0]), slots, torch.tensor([3, 1]))
     assert torch.equal(_bits(slots[3]), _bits(store[5]))
     assert torch.equal(_bits(slots[1]), _bits(store[0]))
-    assert ce._word_size(store, slots) == 2
-    assert ce._word_size(_store(2, 8, torch.bfloat16), _slots(2, 8, torch.bfloat16)) == 8
+    assert copy_triton._word_size(store, slots) == 2
+    assert copy_triton._word_size(_store(2, 8, torch.bfloat16), _slots(2, 8, torch.bfloat16)) == 8
 
 
 def test_triton_rows_longer_than_grid_limit(triton_engine, monkeypatch):
     """Rows with more chunks than CUDA's grid-y limit loop over them (limit shrunk to test it)."""
-    monkeypatch.setattr(ce, "_MAX_GRID_Y", 3)
+    monkeypatch.setattr(copy_triton, "_MAX_GRID_Y", 3)
     store = _store(4, 301, torch.float32)
     slots = _slots(3, 301, torch.float32)
     triton_engine.copy(store, torch.tensor([3, 1]), slots, torch.tensor([0, 2]))
@@ -151,7 +149,7 @@ def test_triton_without_interpreter_names_the_fixes(monkeypatch):
 
 
 def test_import_does_not_import_triton():
-    code = "import sys, specfit.offload.copy.engines, specfit.types.link_profiles; print('triton' in sys.modules)"
+    code = "import sys, specfit.offload.copy.factory, specfit.types.link_profiles; print('triton' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -254,7 +252,7 @@ def test_factory_kinds_and_error():
 def test_waits_are_measured_on_the_emulated_link_and_on_cuda_with_a_measuring_timing():
     """Where a ticket's wait is the host's real block, a pass's time holds its stall rather than its
     copies' time (stats, calibration and the report's breakdown use the stall there)."""
-    assert ce.waits_measured(EmulatedLinkEngine())
-    assert not ce.waits_measured(TorchCopyEngine("cpu"))  # synchronous: the copy is in the pass's time
-    assert ce.waits_measured(TorchCopyEngine("cuda")) and ce.waits_measured(TorchCopyEngine("cuda", timing="events"))
-    assert not ce.waits_measured(TorchCopyEngine("cuda", timing="none"))  # the host never blocks: nothing seen
+    assert copy_base.waits_measured(EmulatedLinkEngine())
+    assert not copy_base.waits_measured(TorchCopyEngine("cpu"))  # synchronous: the copy is in the pass's time
+    assert copy_base.waits_measured(TorchCopyEngine("cuda")) and copy_base.waits_measured(TorchCopyEngine("cuda", timing="events"))
+    assert not copy_base.waits_measured(TorchCopyEngine("cuda", timing="none"))  # the host never blocks: nothing seen

@@ -56,7 +56,8 @@ def _pinned(rows: int, p: int) -> torch.Tensor:
 
 
 def _engines():
-    from specfit.offload.copy.engines import TorchCopyEngine, TritonCopyEngine
+    from specfit.offload.copy.torch import TorchCopyEngine
+    from specfit.offload.copy.triton import TritonCopyEngine
 
     return [TorchCopyEngine("cuda", timing="none"), TorchCopyEngine("cuda"), TritonCopyEngine("cuda", timing="none")]
 
@@ -130,7 +131,7 @@ def test_a_ticket_waited_late_is_charged_its_copy_time_not_the_time_since_its_is
     "copies" over a 51 ms prefill). A synchronous copy keeps its wall time under timing="wall"."""
     import time
 
-    from specfit.offload.copy.engines import TorchCopyEngine
+    from specfit.offload.copy.torch import TorchCopyEngine
 
     engine = TorchCopyEngine("cuda", timing=timing)
     store, slots = _pinned(4, 1 << 20), torch.zeros(4, 1 << 20, device="cuda")  # 16 MB: well under 10 ms
@@ -146,7 +147,8 @@ def test_the_torch_engine_lands_each_expert_on_its_own_event():
     """A batch of per-expert copies records an event after each: a layer waits for its own experts,
     not for the rest of a prefetch it may not use (as on the emulated link); a waited row is right
     and charged its own copy's time. The Triton engine's one launch has one event for the batch."""
-    from specfit.offload.copy.engines import TorchCopyEngine, TritonCopyEngine
+    from specfit.offload.copy.torch import TorchCopyEngine
+    from specfit.offload.copy.triton import TritonCopyEngine
 
     store, slots = _pinned(8, 1 << 20), torch.zeros(4, 1 << 20, device="cuda")
     ticket = TorchCopyEngine("cuda").issue(store, torch.tensor([6, 2, 5]), slots, torch.tensor([0, 3, 1]))

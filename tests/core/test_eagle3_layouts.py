@@ -153,7 +153,7 @@ def tiny_head(tmp: Path, seed: int = 1, **changes: object) -> tuple[Path, object
 
 @pytest.fixture(scope="module")
 def demo_target():
-    from specfit.model.loading import load_checkpoint
+    from specfit.model.checkpoint import load_checkpoint
 
     return load_checkpoint(str(DEMO / "target"), dtype="float32")
 

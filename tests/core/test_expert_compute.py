@@ -11,9 +11,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from specfit import Engine
-from specfit.offload.copy.engines import make_copy_engine
+from specfit.offload.copy.factory import make_copy_engine
 from specfit.offload.compute.factory import check_expert_compute, resolve, triton_available
-from specfit.types.moe import find_experts, moe_spec
+from specfit.offload.discovery import find_experts, moe_spec
 from specfit.offload.runtime import OffloadRuntime
 from specfit.errors import ConfigError, ModelError
 from specfit.plugins.caches.full import FullCache

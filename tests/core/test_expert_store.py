@@ -12,7 +12,8 @@ from test_expert_compute import Holder, gpt_oss_experts
 
 from specfit import Engine
 from specfit.offload.store import HostExpertStore, canonical
-from specfit.types.moe import ExpertLayout, find_experts, moe_spec, row_parts
+from specfit.types.moe import ExpertLayout, row_parts
+from specfit.offload.discovery import find_experts, moe_spec
 from specfit.errors import ModelError
 from specfit.plugins.caches.full import FullCache
 from specfit.plugins.caches.lru import LRUCache
@@ -137,8 +138,8 @@ def test_pinning_that_fails_part_way_leaves_the_store_unpinned(capsys, monkeypat
 
 
 def test_the_triton_engine_on_cuda_refuses_a_store_not_pinned_throughout():
-    from specfit.offload.copy.engines import EmulatedLinkEngine
-    from specfit.offload.runtime import _check_store_readable
+    from specfit.offload.copy.emulated import EmulatedLinkEngine
+    from specfit.offload.checks import check_store_readable
     from specfit.errors import ConfigError
 
     class Triton:
@@ -147,8 +148,8 @@ def test_the_triton_engine_on_cuda_refuses_a_store_not_pinned_throughout():
     store = HostExpertStore(spec())  # pageable
     for engine in (Triton(), EmulatedLinkEngine(Triton())):
         with pytest.raises(ConfigError, match=r"cache.copy=triton .* 4 of its 4 layers are not pinned"):
-            _check_store_readable(engine, store, torch.device("cuda"))
-    _check_store_readable(Triton(), store, torch.device("cpu"))  # the interpreter on a CPU reads any memory
+            check_store_readable(engine, store, torch.device("cuda"))
+    check_store_readable(Triton(), store, torch.device("cpu"))  # the interpreter on a CPU reads any memory
 
 
 def test_full_cache_keeps_the_experts_in_slots_only():

@@ -11,7 +11,7 @@ from conftest import tiny_model
 from test_pipelined_rounds import PROMPT, Spiteful, hf_greedy
 
 from specfit import Engine
-from specfit.offload.copy.engines import TorchCopyEngine
+from specfit.offload.copy.torch import TorchCopyEngine
 from specfit.offload.prefetch import LiveSink
 from specfit.plugins.caches.lru import LRUCache
 

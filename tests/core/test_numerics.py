@@ -16,7 +16,7 @@ import specfit
 from specfit import Engine
 from specfit.model.builtin import build_builtin
 from specfit.types.costs import CostConstants
-from specfit.model.loading import stream_checkpoint
+from specfit.model.checkpoint import stream_checkpoint
 from specfit.model.numerics import apply_numerics
 from specfit.errors import ConfigError
 from specfit.plugins.caches.lru import LRUCache

@@ -18,8 +18,10 @@ from drafters import ScriptedDrafter
 
 import specfit
 from specfit import Engine
+from specfit.offload import admission
 from specfit.offload import runtime as offload
-from specfit.offload.copy.engines import EmulatedLinkEngine, TorchCopyEngine
+from specfit.offload.copy.emulated import EmulatedLinkEngine
+from specfit.offload.copy.torch import TorchCopyEngine
 from specfit.types.link_profiles import LinkSettings
 from specfit.types.moe import MoESpec
 from specfit.interfaces import Admission, ExpertCacheBase
@@ -39,15 +41,15 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
 
 
 class RoundLog:
-    """Wraps ``offload.admission_rounds`` (what run_layer iterates): keeps every round it yields, with
-    its layer and the number of the pass (counted by ``listener``, when a runtime calls it)."""
+    """Wraps ``admission_rounds`` where the runtime looks it up (what run_layer iterates): keeps every
+    round it yields, with its layer and the number of the pass (counted by ``listener``, when a runtime calls it)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.rounds: list[tuple[int, int, offload.Round]] = []
+        self.rounds: list[tuple[int, int, admission.Round]] = []
         self.passes = 0
-        real = offload.admission_rounds
+        real = admission.admission_rounds
 
-        def logged(policy, slot_expert, layer, needed) -> Iterator[offload.Round]:  # noqa: ANN001
+        def logged(policy, slot_expert, layer, needed) -> Iterator[admission.Round]:  # noqa: ANN001
             for rnd in real(policy, slot_expert, layer, needed):
                 self.rounds.append((self.passes, layer, rnd))
                 yield rnd
@@ -92,8 +94,8 @@ def _bound(cache: LRUCache) -> np.ndarray:
 def test_rounds_take_half_the_slots_resident_first_and_issue_the_next_rounds_copies_ahead():
     cache = LRUCache(capacity=4)
     slot_expert = _bound(cache)
-    list(offload.admission_rounds(cache, slot_expert, 0, [1, 2]))  # 1 and 2 resident (slots 0, 1)
-    rounds = list(offload.admission_rounds(cache, slot_expert, 0, [1, 2, 3, 4, 5, 6, 7]))
+    list(admission.admission_rounds(cache, slot_expert, 0, [1, 2]))  # 1 and 2 resident (slots 0, 1)
+    rounds = list(admission.admission_rounds(cache, slot_expert, 0, [1, 2, 3, 4, 5, 6, 7]))
     assert [sorted(r.slots) for r in rounds] == [[1, 2], [3, 4], [5, 6], [7]]
     assert rounds[0].loads == rounds[0].fresh == []  # the hits compute at once
     assert rounds[0].ahead == [(3, 2), (4, 3)]  # into the free slots, while 1 and 2 compute
@@ -122,7 +124,7 @@ class Spiteful(LRUCache):
 def test_a_copy_into_a_slot_of_the_computing_round_waits_for_the_next_round():
     cache = Spiteful(capacity=4)
     slot_expert = _bound(cache)
-    rounds = list(offload.admission_rounds(cache, slot_expert, 1, [0, 1, 2, 3, 4, 5, 6, 7, 8]))
+    rounds = list(admission.admission_rounds(cache, slot_expert, 1, [0, 1, 2, 3, 4, 5, 6, 7, 8]))
     assert sorted(e for r in rounds for e in r.slots) == list(range(9))
     held_back = 0
     for before, after in zip(rounds, rounds[1:]):
@@ -138,7 +140,7 @@ def test_cache_none_cannot_prefetch_and_keeps_plain_rounds(monkeypatch):
     model = tiny_model()
     expected = hf_greedy(model, PROMPT, 4)
     engine = Engine(model, cache=NoCache(), device="cpu")
-    assert not offload.can_prefetch(engine.runtime.policy)
+    assert not admission.can_prefetch(engine.runtime.policy)
     assert engine.generate(PROMPT, max_new_tokens=4).token_ids == expected
     assert log.rounds and log.ahead() == 0
     assert all(rnd.fresh == rnd.loads for _, _, rnd in log.rounds)
@@ -344,8 +346,8 @@ def test_no_slot_is_overwritten_while_a_round_computes_under_a_fuzzed_policy(mon
 def test_a_later_round_short_of_hits_is_filled_up_with_misses_that_travel_during_the_round_before():
     cache = LRUCache(capacity=8)
     slot_expert = _bound(cache)
-    list(offload.admission_rounds(cache, slot_expert, 0, [1, 2, 3, 4, 5, 6]))  # six resident
-    rounds = list(offload.admission_rounds(cache, slot_expert, 0, list(range(1, 13))))
+    list(admission.admission_rounds(cache, slot_expert, 0, [1, 2, 3, 4, 5, 6]))  # six resident
+    rounds = list(admission.admission_rounds(cache, slot_expert, 0, list(range(1, 13))))
     assert [sorted(r.slots) for r in rounds] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
     assert rounds[0].loads == [] and sorted(e for e, _ in rounds[0].ahead) == [7, 8]  # copied while 1-4 compute
     assert rounds[1].fresh == []  # no copy had to wait for a slot of the first round

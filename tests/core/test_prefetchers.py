@@ -16,7 +16,8 @@ from drafters import ScriptedDrafter
 import specfit
 from specfit import Engine
 from specfit.types.costs import CostConstants
-from specfit.offload.copy.engines import CopyTicket, TorchCopyEngine
+from specfit.offload.copy.base import CopyTicket
+from specfit.offload.copy.torch import TorchCopyEngine
 from specfit.types.link_profiles import LinkSettings
 from specfit.offload.prefetch import LiveSink, ModelledSink, check_request
 from specfit.types.tree import DraftTree
@@ -543,7 +544,7 @@ def test_a_copy_in_flight_whose_time_is_unknown_arrives_in_one_measured_copy_tim
 
 def test_a_copy_engine_that_does_not_wait_for_compute_is_refused():
     """The runtime tracks no slot's last use: copies must queue behind the compute before them."""
-    from specfit.offload.copy.engines import EmulatedLinkEngine
+    from specfit.offload.copy.emulated import EmulatedLinkEngine
     from specfit.errors import ConfigError
 
     for copy in (TorchCopyEngine("cpu", order_after_compute=False),
@@ -931,7 +932,7 @@ def test_modelled_link_says_once_that_cache_none_cannot_prefetch():
 
 
 def tiny_model_spec():
-    from specfit.types.moe import find_experts, moe_spec
+    from specfit.offload.discovery import find_experts, moe_spec
 
     model = tiny_model()
     return moe_spec(model, find_experts(model))

@@ -5,7 +5,7 @@ import numpy as np
 import torch
 from conftest import tiny_model, tiny_model_with_scaled_norms
 
-from specfit.types.moe import find_experts, moe_spec
+from specfit.offload.discovery import find_experts, moe_spec
 from specfit.plugins._kit.router_probe import RouterProbe, _scores
 
 

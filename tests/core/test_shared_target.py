@@ -12,7 +12,7 @@ import torch
 import specfit
 from specfit.api import load_shared_target
 from specfit.cli import main
-from specfit.offload.runtime import OffloadedExperts
+from specfit.offload.layer import OffloadedExperts
 from specfit.errors import ConfigError
 
 PROMPT = [5, 17, 99, 3, 42]

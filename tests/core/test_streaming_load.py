@@ -22,8 +22,9 @@ from safetensors.torch import load_file, save_file
 from specfit import Engine
 from specfit.model.config import ModelConfig
 from specfit.offload.store import HostExpertStore
-from specfit.model.loading import load_checkpoint, load_target, stream_checkpoint
-from specfit.types.moe import find_experts, moe_spec
+from specfit.model.checkpoint import load_checkpoint, stream_checkpoint
+from specfit.model.loading import load_target
+from specfit.offload.discovery import find_experts, moe_spec
 from specfit.errors import ModelError
 from specfit.plugins.caches.full import FullCache
 from specfit.plugins.caches.lru import LRUCache
@@ -291,9 +292,9 @@ def test_a_hub_id_streams_from_its_snapshot(saved, monkeypatch):
     """``model.path=org/name``: the hub's snapshot (here a stand-in directory) is streamed like a local one."""
     import huggingface_hub
 
-    import specfit.model.loading
+    import specfit.model.sources
 
-    monkeypatch.setattr(specfit.model.loading, "hub_reachable", lambda: True)
+    monkeypatch.setattr(specfit.model.sources, "hub_reachable", lambda: True)
     asked = []
     monkeypatch.setattr(huggingface_hub, "snapshot_download",
                         lambda repo, allow_patterns=None, **kw: asked.append((repo, allow_patterns)) or str(saved))
@@ -308,10 +309,10 @@ def test_a_hub_id_without_a_snapshot_is_left_to_from_pretrained(tmp_path, monkey
     """Offline, unknown or .bin-only: no snapshot to stream, so from_pretrained loads it or says why."""
     import huggingface_hub
 
-    import specfit.model.loading
-    from specfit.model.loading import hub_snapshot
+    import specfit.model.sources
+    from specfit.model.sources import hub_snapshot
 
-    monkeypatch.setattr(specfit.model.loading, "hub_reachable", lambda: True)
+    monkeypatch.setattr(specfit.model.sources, "hub_reachable", lambda: True)
 
     def offline(*args, **kwargs):
         raise OSError("offline")
@@ -326,9 +327,9 @@ def test_a_hub_id_without_a_snapshot_is_left_to_from_pretrained(tmp_path, monkey
 
 def test_an_unreachable_hub_id_fails_at_once_naming_model_path(tmp_path, monkeypatch):
     """Offline and not in the hub cache: one error now, not half a minute of the hub client's retries."""
-    import specfit.model.loading
+    import specfit.model.sources
 
-    monkeypatch.setattr(specfit.model.loading, "hub_reachable", lambda: False)
+    monkeypatch.setattr(specfit.model.sources, "hub_reachable", lambda: False)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelError, match=r"model.path=someorg/absent: no such local directory.*cannot be reached"):
         load_target(ModelConfig(path="someorg/absent", device="cpu"))

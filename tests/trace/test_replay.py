@@ -320,7 +320,7 @@ def test_pipelined_rounds_hide_copies_behind_compute_as_the_live_runtime_schedul
     """A layer's rounds on one FIFO link, checked by hand: the next round's copies issued ahead land
     while the current round computes, so the replay charges less than copies and compute in series;
     one round, or held-back copies into the computing round's slots, hide nothing."""
-    from specfit.offload.runtime import Round
+    from specfit.offload.admission import Round
     from specfit.trace.replay import hidden_copy_seconds
 
     one = [Round({1: 0, 2: 1}, [(1, 0)], [(1, 0)])]

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specfit.types.moe import ExpertLayout, MoESpec, clamped_swiglu, row_parts
+from specfit.types.moe import ExpertLayout, MoESpec, row_parts
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -120,6 +120,13 @@ def activate(gate_up: torch.Tensor, layout: ExpertLayout, act_fn: nn.Module | No
     if layout.activation == "clamped_swiglu":
         return clamped_swiglu(gate, up, layout.alpha, layout.limit)
     return (act_fn if act_fn is not None else F.silu)(gate) * up
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's gated activation on split (not interleaved) gate and up halves."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def _compute_dtype(hidden: torch.Tensor, weights: torch.Tensor) -> torch.dtype:
