@@ -24,7 +24,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from numbers import Real
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import numpy as np
 
@@ -355,7 +355,7 @@ class TraceVerifier:
 
     # ------------------------------------------------------------------ the Verifier protocol
 
-    def levels(self, tree: DraftTree) -> Iterator[range]:
+    def levels(self, tree: DraftTree) -> Generator[range, None, None]:
         return self.rec.draft(tree)
 
     def draft_seconds(self, levels: int, elapsed: float, overhead: float) -> float:
