@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
@@ -60,9 +61,37 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
     _check_composed(cfg, "build()")
     for note in unused_setting_notes(cfg):
         note_once(note)
+    parts = build_parts(cfg)  # before the model: fail fast
+    if shared_target is not None:
+        _check_shared_target(cfg, shared_target)
+        loaded = engine_copy(shared_target)
+    else:
+        loaded = load_target(OmegaConf.to_object(cfg.model))
+    if loaded.tokenizer is None:
+        _check_prompts_are_ids(cfg)
+    with _named_as_model_head(_drafter_head_from_model(cfg)):  # the head's fit to the target is checked at bind
+        engine = _engine(cfg, loaded, parts)
+    for i, prompt in enumerate(check_prompts):
+        try:
+            engine.check_prompt(prompt)
+        except ConfigError as exc:  # which of the workload's prompts (a file's line, a dataset's row)
+            if len(check_prompts) < 2:
+                raise
+            raise ConfigError(f"{_workload_name(cfg)}, prompt {i + 1} of {len(check_prompts)}: {exc}") from exc
+    if calibrate_now:
+        _attach_calibration(engine, calibration_prompts)
+    attach_setup_state(engine)  # the selector starts from what earlier engines of this setup learned
+    note_state_file_setup(engine.selector, acceptance_setup(engine))
+    return engine
+
+
+def build_parts(cfg: DictConfig) -> dict[str, Any]:
+    """Every plug-in a config names, each made with what it needs (a drafter the model's own head,
+    a cost-aware selector its acceptance estimator), the registered defaults for a drafter,
+    selector or cache left out; ``prefetcher`` None for ``prefetch=none``."""
     plugins = get_plugins()
     parts: dict[str, Any] = {}
-    for kind in ("drafter", "selector", "cost_model", "predictor", "cache"):  # before the model: fail fast
+    for kind in ("drafter", "selector", "cost_model", "predictor", "cache"):
         node = cfg.get(kind)
         if node is None:
             parts[kind] = None
@@ -75,17 +104,14 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
     parts.update(default_parts(**{k: parts[k] for k in DEFAULT_PARTS}))
     prefetch_cfg = cfg.get("prefetch")  # none (the default) builds no prefetcher: runs stay as they were
     prefetcher = plugins["prefetch"].create(prefetch_cfg) if prefetch_cfg is not None else None
-    if prefetcher is not None and prefetcher.name == "none":
-        prefetcher = None
-    if shared_target is not None:
-        _check_shared_target(cfg, shared_target)
-        loaded = engine_copy(shared_target)
-    else:
-        loaded = load_target(OmegaConf.to_object(cfg.model))
-    if loaded.tokenizer is None:
-        _check_prompts_are_ids(cfg)
+    parts["prefetcher"] = None if prefetcher is not None and prefetcher.name == "none" else prefetcher
+    return parts
+
+
+def _engine(cfg: DictConfig, loaded: LoadedModel, parts: dict[str, Any]) -> Engine:
+    """The engine of a composed config over its loaded model, with its plug-ins."""
     cache_cfg = cfg.cache
-    engine = Engine(
+    return Engine(
         loaded.model,
         tokenizer=loaded.tokenizer,
         copy=cache_cfg["copy"],
@@ -100,21 +126,8 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
         info={"model": loaded.source, "draft_head": cfg.model.get("draft_head")},
         expert_store=loaded.expert_store,  # a streamed checkpoint's experts: their only host copy
         numerics=cfg.model.numerics,
-        prefetcher=prefetcher,
         **parts,
     )
-    for i, prompt in enumerate(check_prompts):
-        try:
-            engine.check_prompt(prompt)
-        except ConfigError as exc:  # which of the workload's prompts (a file's line, a dataset's row)
-            if len(check_prompts) < 2:
-                raise
-            raise ConfigError(f"{_workload_name(cfg)}, prompt {i + 1} of {len(check_prompts)}: {exc}") from exc
-    if calibrate_now:
-        _attach_calibration(engine, calibration_prompts)
-    attach_setup_state(engine)  # the selector starts from what earlier engines of this setup learned
-    note_state_file_setup(engine.selector, acceptance_setup(engine))
-    return engine
 
 
 def load_shared_target(cfg: DictConfig) -> LoadedModel:
@@ -180,17 +193,32 @@ def _drafter_with_model_head(plugin: Any, node: DictConfig, head: str | None) ->
     with_head = _with_model_head(node, head)
     if with_head is node:
         return plugin.create(node)
+    with _named_as_model_head(head):
+        return plugin.create(with_head)
+
+
+def _drafter_head_from_model(cfg: DictConfig) -> str | None:
+    """``model.draft_head`` where it became the drafter's ``path`` (see :func:`_with_model_head`), else None."""
+    node, head = cfg.get("drafter"), cfg.model.get("draft_head")
+    return head if node is not None and _with_model_head(node, head) is not node else None
+
+
+@contextmanager
+def _named_as_model_head(head: str | None) -> Iterator[None]:
+    """A ModelError about the drafter's ``path`` that is the model's own head (``head``; None: it is
+    not) names ``model.draft_head``, the key the user set; the head's errors name the path as
+    ``load_head`` resolved it (~ expanded), when the drafter is made or when it binds to the target."""
     try:
-        drafter = plugin.create(with_head)
-    except ModelError as exc:  # the head's errors name the path as load_head resolved it (~ expanded)
+        yield
+    except ModelError as exc:
+        if head is None:
+            raise
         message = str(exc)
         for spelled in dict.fromkeys((str(head), str(Path(head).expanduser()))):
             message = message.replace(f"drafter.path={spelled}", f"model.draft_head={head}")
+        if message == str(exc):
+            raise
         raise ModelError(message) from None
-    loaded = getattr(drafter, "head", None)
-    if loaded is not None:
-        loaded.key = "model.draft_head"  # for the checks at bind (specfit.plugins.drafters.eagle3.checkpoint)
-    return drafter
 
 
 def _with_model_head(node: DictConfig, head: str | None) -> DictConfig:
@@ -198,7 +226,7 @@ def _with_model_head(node: DictConfig, head: str | None) -> DictConfig:
     when it has a ``path`` key left null: the head reaches the drafter as its own setting."""
     if not head or "path" not in node or node.path is not None:
         return node
-    if getattr(OmegaConf.to_object(node), "path", None) is not None:  # set by an alias (speculative_config.model)
+    if OmegaConf.to_object(node).path is not None:  # set by an alias (speculative_config.model)
         return node
     if not Path(head).expanduser().is_dir():  # named by its own key, not as the drafter.path it becomes
         raise ConfigError(f"model.draft_head={head}: {missing_directory(head)} (an EAGLE-3 head is a directory: "
@@ -236,11 +264,13 @@ def _attach_calibration(engine: Engine, prompts: Sequence[Any] | None) -> None:
     model = engine.cost_model
     if model is None:
         return
-    source = getattr(model, "calibration", "auto")
-    if source not in ("auto", None) and not getattr(model, "calibrated", True):
+    # the constants reach the cost model through its set_constants, the one hook that changes a part
+    # after it is built (CostModel's contract)
+    source = model.calibration
+    if source not in ("auto", None) and not model.calibrated:
         model.set_constants(load_constants(source))  # a cost model that does not load its file when bound
-    calibrated = getattr(model, "calibrated", True)
-    loaded = getattr(getattr(model, "constants", None), "source", None) if calibrated else None
+    calibrated = model.calibrated
+    loaded = model.constants.source if calibrated else None
     if source not in ("auto", None) and loaded == str(Path(source).expanduser()):
         differs = setup_differences(source, engine)
         if differs:  # allowed (planning with another machine's constants), but never silently

@@ -16,6 +16,9 @@ from specfit.types.tree import ROOT, DraftTree
 
 class ScriptedDrafter:
     name = "scripted"
+    path = None  # no weights (what the setup's fingerprint reads)
+    top_k = None
+    probe_left_unused = False
 
     def __init__(self, reference: Sequence[int], vocab: int, branching: int = 2, depth: int = 3,
                  total_tokens: int = 1000, miss: float = 0.2, seed: int = 0) -> None:

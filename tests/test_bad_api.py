@@ -371,3 +371,14 @@ def test_a_failed_full_cache_build_says_the_model_must_be_loaded_again() -> None
         Engine(model, cache=FullCache(), prefetcher=Fails())
     with pytest.raises(ModelError, match="cache=full drops their host copy"):
         Engine(model)
+
+
+def test_a_model_head_that_does_not_fit_the_target_names_model_draft_head_at_bind() -> None:
+    """model.draft_head becomes the drafter's path; the head's errors when it binds to the target
+    name the key the user set, as those when it is loaded do (the drafter is not patched for it)."""
+    from pathlib import Path
+
+    head = Path(specfit.__file__).parent / "assets" / "demo" / "eagle3"
+    cfg = specfit.compose(["model=tiny", "drafter=eagle3", f"model.draft_head={head}"])
+    with pytest.raises(ModelError, match=rf"^model.draft_head={head}: head vocab_size \d+ differs from the target's"):
+        specfit.build(cfg, calibrate_now=False)

@@ -156,7 +156,9 @@ def _add(kind: str, cls: type) -> Registry:
 
 
 def test_a_selector_written_from_the_old_protocol_is_refused_naming_the_hooks_it_lacks():
-    """chooses_among_likeliest, observe_time, requires, should_draft and takes_estimator are part of the contract (SelectorBase has defaults)."""
+    """chooses_among_likeliest, observe_time, requires, should_draft and takes_estimator are part of the contract
+    (SelectorBase has defaults), checked on the class; acceptance_score, draft_time, estimator and gate too, on
+    the object."""
     class OldStyle:
         name = "old_style"
 
@@ -173,6 +175,13 @@ def test_a_selector_written_from_the_old_protocol_is_refused_naming_the_hooks_it
     with pytest.raises(PluginError, match=r"selector plugin 'old_style' .* lacks chooses_among_likeliest, observe_time, requires, should_draft, takes_estimator "
                                           r"\(subclass specfit.interfaces.SelectorBase .*specfit.interfaces.Selector\)"):
         _add("selector", OldStyle)
+
+    OldStyle.requires, OldStyle.takes_estimator, OldStyle.chooses_among_likeliest = (), False, False
+    OldStyle.should_draft = lambda self: True
+    OldStyle.observe_time = lambda self, drafted, committed, seconds: None
+    with pytest.raises(PluginError, match=r"selector 'old_style' \(.*OldStyle\) lacks acceptance_score, draft_time, "
+                                          r"estimator, gate \(subclass specfit.interfaces.SelectorBase"):
+        _add("selector", OldStyle).create(OldStyle.Config())
 
     class FromBase(SelectorBase):  # the base supplies them; select stays required
         name = "from_base"
@@ -246,7 +255,8 @@ def test_an_object_lacking_an_attribute_is_refused_before_it_is_bound():
 
         bind = feature_layers = start = draft = commit = lambda self, *a: None
 
-    with pytest.raises(PluginError, match=r"drafter 'no_limits' \(.*NoLimits\) lacks depth, total_tokens"):
+    with pytest.raises(PluginError, match=r"drafter 'no_limits' \(.*NoLimits\) lacks depth, path, "
+                                          r"probe_left_unused, top_k, total_tokens"):
         _add("drafter", NoLimits).create(NoLimits.Config())
 
 

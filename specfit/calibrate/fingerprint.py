@@ -18,7 +18,7 @@ def setup_fingerprint(engine: Any) -> dict[str, Any]:
     ``model_head`` is the model's own EAGLE-3 head (``model.draft_head``); a drafter that uses it
     has it as its ``path``, recorded as ``head: null``; ``weights`` tells heads at one path apart."""
     model_head = engine.info.get("draft_head")
-    head = getattr(engine.drafter, "path", None)
+    head = engine.drafter.path
     weights = head_weights_digest(head if head and head != "random" else None)
     return {
         "model": str(engine.info.get("model", type(engine.model).__name__)),
@@ -36,14 +36,14 @@ def setup_fingerprint(engine: Any) -> dict[str, Any]:
            if engine.info.get("dense_dtype", engine.info.get("expert_dtype")) != engine.info.get("expert_dtype") else {}),
         # drafting costs depend on the drafter's settings, not only on its kind
         "drafter": {"name": engine.drafter.name, "depth": engine.drafter.depth, "total_tokens": engine.drafter.total_tokens,
-                    "top_k": getattr(engine.drafter, "top_k", None), "head": None if head == model_head else head,
+                    "top_k": engine.drafter.top_k, "head": None if head == model_head else head,
                     "model_head": model_head,
                     # a head retrained in place (the same path) is another setup: its acceptance differs,
                     # so the gate and estimator state stored for the old one must not carry over
                     **({"weights": weights} if weights else {}),
                     # a head's acceptance probe left unused (drafter.acceptance_probe=false) is another
                     # setup: the estimator state stored with its logits must not carry over
-                    **({"acceptance_probe": False} if getattr(engine.drafter, "probe_left_unused", False) else {})},
+                    **({"acceptance_probe": False} if engine.drafter.probe_left_unused else {})},
         "machine": {"node": platform.node(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count()},
     }

@@ -58,7 +58,7 @@ class StateKeeper:
         self._last_save = time.monotonic()
         self.dirty = False  # a cycle ran since the last save
         # an estimator reading a file the user named (acceptance.state_file=FILE) keeps that file's model
-        self.owns_estimator = getattr(estimator, "state_file", "auto") == "auto" and estimator.state() is not None
+        self.owns_estimator = estimator.state_file == "auto" and estimator.state() is not None
 
     def read(self) -> dict[str, Any]:
         """The stored sections; an unreadable or damaged file counts as none (it is rewritten)."""
@@ -122,7 +122,7 @@ def attach_setup_state(engine: Any) -> StateKeeper | None:
     carried over from earlier runs would break; it starts fresh."""
     selector = engine.selector
     estimator = selector.estimator
-    if estimator is None or not selector.takes_estimator or getattr(selector, "draft_time", None) != "measured":
+    if estimator is None or not selector.takes_estimator or selector.draft_time != "measured":
         return None
     # what drafting earns depends on what is verified: the selector and its estimator name the gate's section
     keeper = StateKeeper(state_path(engine), f"{selector.name}/{estimator.name}/{selector.draft_time}",
@@ -144,7 +144,7 @@ def note_state_file_setup(selector: Any, here: dict[str, Any] | None) -> None:
     from specfit.calibrate.fingerprint import differing_keys
     from specfit.files import read_json_object
 
-    source = getattr(getattr(selector, "estimator", None), "state_file", "auto")
+    source = selector.estimator.state_file if selector.estimator is not None else "auto"
     if here is None or source == "auto" or not isinstance(source, str) or not Path(source).expanduser().is_file():
         return  # a missing file or a directory: the estimator's own load names it, with its hint
     stored = read_json_object(Path(source).expanduser(), f"acceptance.state_file={source}", ConfigError).get("setup")

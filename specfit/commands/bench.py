@@ -105,7 +105,7 @@ def without_unused_cost_model(cfg: DictConfig) -> DictConfig:
     if cfg.get("cost_model") is None:
         return cfg
     selector = get_plugins()["selector"].get(cfg.selector.name).cls
-    if "cost_model" not in getattr(selector, "requires", ()):
+    if "cost_model" not in selector.requires:
         cfg.cost_model = None
     return cfg
 

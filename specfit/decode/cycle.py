@@ -10,7 +10,7 @@ replay take the decisions the live run took (docs/method.md section 7).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Generator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
@@ -58,7 +58,12 @@ class Verifier(Protocol):
 
     def now(self) -> float: ...
 
-    def levels(self, tree: DraftTree) -> Iterator[range]: ...
+    def levels(self, tree: DraftTree) -> Generator[range, None, None]:
+        """The tree's levels as they are grown; the cycle closes it when it stops drafting."""
+
+    def arriving(self) -> np.ndarray | None:
+        """float [layers, experts]: seconds until each expert is usable (the runtime's or a
+        replay's modelled link), for the cost model; None where the verifier cannot tell."""
 
     def draft_seconds(self, levels: int, elapsed: float, overhead: float) -> float:
         """D handed to the selector after ``levels`` levels: ``elapsed`` is the wall time since the
@@ -103,10 +108,23 @@ class CycleTrace:
     record: CycleRecord
 
 
+@runtime_checkable
 class CycleObserver(Protocol):
+    """Sees every cycle of a decode (trace recording, analysis); never changes a part or the output."""
+
     def on_prefill(self, prompt_ids: list[int], routing: Any, first_token: int) -> None: ...
 
     def on_cycle(self, trace: CycleTrace) -> None: ...
+
+
+@dataclass
+class Drafted:
+    """What a cycle's drafting leaves for verification: the last selection and its times."""
+
+    selection: Selection
+    select_seconds: float = 0.0
+    overhead: float = 0.0  # predictor and selector time
+    level_seconds: list[float] = field(default_factory=list)  # since the cycle started, at each level's end
 
 
 @dataclass
@@ -144,118 +162,143 @@ class Cycle:
         ``room``: the deepest draft level the context has room for (None: no limit); ``max_commit``:
         the most tokens it may commit (the rest of ``max_new_tokens``); a stop token ends the commit.
         """
-        verifier, selector, predictor, spec = self.verifier, self.selector, self.predictor, self.spec
+        verifier = self.verifier
         t0 = verifier.now()
         tree = DraftTree(root_token=root, root_prob=self.root_prob,
                          context=self.context.view() if self.context is not None else None)
-        selection = Selection(nodes=[])
-        select_seconds = overhead = 0.0  # overhead: predictor and selector time
-        level_seconds: list[float] = []
-        depth_limit = max_depth if room is None else min(max_depth, room)
-        levels = verifier.levels(tree) if should_draft(selector) else iter(())
-        likeliest = chooses_among_likeliest(selector)
-        for level in levels:
-            t_pred = verifier.now()
-            candidates = None  # the likeliest nodes, where experts were predicted for those alone
-            if predictor is not None and self._predictions_needed(tree):
-                candidates = tree.top_by_path_prob(max_nodes) if likeliest else None
-                nodes = level if candidates is None else [v for v in candidates if v >= level.start]
-                guard.call("predictor", predictor, "predict", tree, nodes)
-                guard.check_predicted_experts(predictor, tree, nodes, spec.num_layers, spec.top_k, spec.num_experts)
-            t_sel = verifier.now()
-            overhead += t_sel - t_pred
-            level_seconds.append(t_sel - t0 - select_seconds)
-            ctx = SelectionContext(
-                resident=verifier.resident(),
-                draft_seconds=verifier.draft_seconds(tree.depth, t_sel - t0, overhead),
-                max_depth=depth_limit,
-                max_nodes=max_nodes,
-                cost_model=self.cost_model,
-                # copies in flight between passes come only from a prefetcher: without one, today's context;
-                # the cost model prices them (a selector without one, EAGLE's, reads none)
-                arriving=arriving(verifier) if self.prefetcher is not None and self.cost_model is not None else None,
-                extra=verifier.extra,
-            )
-            selection = guard.check_selection(selector, tree, guard.call("selector", selector, "select", tree, ctx))
-            if candidates is not None:
-                guard.check_among_likeliest(selector, selection, candidates, max_nodes)
-            if self.prefetcher is not None:  # issue copies for the pass to come while drafting goes on
-                self.sink.at(ctx.draft_seconds)
-                self.sink.call("after_level", tree, list(selection.nodes), ctx.resident)
-            spent = verifier.now() - t_sel
-            select_seconds += spent
-            overhead += spent
-            if selection.stop or (room is not None and tree.depth >= room):  # never draft past the context
-                break
-        if hasattr(levels, "close"):
-            levels.close()  # the drafter tidies up (drops its tree KV) now, not when garbage-collected
+        drafted = self._draft(tree, t0, max_depth if room is None else min(max_depth, room), max_nodes, room)
         t_verify = verifier.now()
-
-        block = verify_block(tree, selection.nodes)  # checked by guard.check_selection
+        block = verify_block(tree, drafted.selection.nodes)  # checked by guard.check_selection
         verdict = verifier.verify(block)
-        acc = walk(block, lambda pos: verifier.token_after(block, pos, sampler))
-        if self.accept_limit is not None and len(acc.path) > self.accept_limit:
-            if not sampler.params.greedy:
-                raise ConfigError("accept_limit (trace recording) needs greedy decoding")
-            path = acc.path[: self.accept_limit]
-            acc = Acceptance(path, verifier.token_after(block, path[-1] if path else 0, sampler))
-        path = verifier.keep(block, acc.path, acc.bonus)
+        acc, path = self._accept(block, sampler)
         verify_seconds = verifier.now() - t_verify
-
-        kept = [0] + path
-        kept_tokens = [block.tokens[p] for p in kept]
-        verifier.commit(kept_tokens, kept, acc.bonus)
-        if sampler.params.greedy:
-            tree.greedy_next = acc.bonus
-        guard.call("selector", selector, "observe", tree, selection.nodes, [block.nodes[p - 1] for p in path])
-        if predictor is not None:
-            guard.call("predictor", predictor, "observe", kept_tokens, verdict.routing[kept])
-        tokens = self._truncate(kept_tokens[1:] + [acc.bonus], max_commit)
-        bonus_pos = acc.path[-1] if acc.path else 0  # the block position whose logits gave the bonus
-        ends_in_bonus = len(tokens) == len(kept_tokens) and path == acc.path  # else the decode ends or diverged
-        self.root_prob = verifier.token_prob(block, bonus_pos, acc.bonus, sampler) if ends_in_bonus else None
+        tokens = self._commit(tree, block, verdict, drafted.selection, acc, path, sampler, max_commit)
         quality = prediction_overlap(tree, block, verdict.routing)
-        measured = CycleTimes(t_verify - t0 - select_seconds, select_seconds, verify_seconds, verifier.now() - t0)
-        times = verifier.times(measured, tree.depth, len(block) - 1, verdict, overhead)
-        record = CycleRecord(
-            drafted=len(tree),
-            levels=tree.depth,
-            verified=len(block) - 1,
-            accepted=len(path),
-            committed=len(tokens),
-            draft_seconds=times.draft_seconds,
-            select_seconds=times.select_seconds,
-            verify_seconds=times.verify_seconds,
-            h2d_seconds=verdict.h2d_seconds,
-            h2d_stall_seconds=verdict.h2d_stall_seconds,
-            copies_overlap=verdict.copies_overlap,
-            stall_measured=verdict.stall_measured,
-            total_seconds=times.total_seconds,
-            misses=verdict.misses,
-            hits=verdict.hits,
-            union=verdict.union,
-            predicted=dict(selection.predicted),
-            prediction=quality,
-        )
-        if self.cost_model is not None and verifier.measured:  # learns from measured cycles only
-            guard.call("cost_model", self.cost_model, "observe", record)
-        if self.sink is not None and verifier.measured:  # a live sink learns a layer's compute time
-            self.sink.observe(record.verify_seconds, waited_copy_seconds(record), record.verified + 1)
-        report_time(selector, record.levels > 0, record.committed, record.total_seconds)
+        measured = CycleTimes(t_verify - t0 - drafted.select_seconds, drafted.select_seconds, verify_seconds,
+                              verifier.now() - t0)
+        times = verifier.times(measured, tree.depth, len(block) - 1, verdict, drafted.overhead)
+        record = cycle_record(tree, block, verdict, drafted.selection, len(path), len(tokens), times, quality)
+        self._learn(record)
         if self.observers:
-            trace = CycleTrace(tree, block, verifier.argmax(), verdict.routing, path, acc.bonus, level_seconds, record)
+            trace = CycleTrace(tree, block, verifier.argmax(), verdict.routing, path, acc.bonus,
+                               drafted.level_seconds, record)
             for observer in self.observers:
                 observer.on_cycle(trace)
         if self.context is not None:
             self.context.extend(tokens)
         return record, tokens
 
+    # ------------------------------------------------------------------ the cycle's steps
+
+    def _draft(self, tree: DraftTree, t0: float, depth_limit: int, max_nodes: int, room: int | None) -> Drafted:
+        """Grow ``tree`` level by level, predicting experts and selecting after each, until the
+        selector stops, the drafter has no more levels or the context no more room."""
+        verifier = self.verifier
+        drafted = Drafted(Selection(nodes=[]))
+        levels = verifier.levels(tree) if should_draft(self.selector) else no_levels()
+        likeliest = chooses_among_likeliest(self.selector)
+        for level in levels:
+            t_pred = verifier.now()
+            candidates = self._predict(tree, level, likeliest, max_nodes)
+            t_sel = verifier.now()
+            drafted.overhead += t_sel - t_pred
+            drafted.level_seconds.append(t_sel - t0 - drafted.select_seconds)
+            ctx = self._context(tree, t_sel - t0, drafted.overhead, depth_limit, max_nodes)
+            drafted.selection = self._select(tree, ctx, candidates, max_nodes)
+            spent = verifier.now() - t_sel
+            drafted.select_seconds += spent
+            drafted.overhead += spent
+            if drafted.selection.stop or (room is not None and tree.depth >= room):  # never draft past the context
+                break
+        levels.close()  # the drafter tidies up (drops its tree KV) now, not when garbage-collected
+        return drafted
+
+    def _predict(self, tree: DraftTree, level: range, likeliest: bool, max_nodes: int) -> list[int] | None:
+        """The new level's experts, where anything reads them; returns the likeliest nodes where
+        experts were predicted for those alone (None: for the whole level, or not at all)."""
+        predictor, spec = self.predictor, self.spec
+        if predictor is None or not self._predictions_needed(tree):
+            return None
+        candidates = tree.top_by_path_prob(max_nodes) if likeliest else None
+        nodes = level if candidates is None else [v for v in candidates if v >= level.start]
+        guard.call("predictor", predictor, "predict", tree, nodes)
+        guard.check_predicted_experts(predictor, tree, nodes, spec.num_layers, spec.top_k, spec.num_experts)
+        return candidates
+
+    def _context(self, tree: DraftTree, elapsed: float, overhead: float, depth_limit: int,
+                 max_nodes: int) -> SelectionContext:
+        verifier = self.verifier
+        return SelectionContext(
+            resident=verifier.resident(),
+            draft_seconds=verifier.draft_seconds(tree.depth, elapsed, overhead),
+            max_depth=depth_limit,
+            max_nodes=max_nodes,
+            cost_model=self.cost_model,
+            # copies in flight between passes come only from a prefetcher: without one, today's context;
+            # the cost model prices them (a selector without one, EAGLE's, reads none)
+            arriving=verifier.arriving() if self.prefetcher is not None and self.cost_model is not None else None,
+            extra=verifier.extra,
+        )
+
+    def _select(self, tree: DraftTree, ctx: SelectionContext, candidates: list[int] | None,
+                max_nodes: int) -> Selection:
+        """The selector's checked choice after this level; the prefetcher then issues copies for
+        the pass to come while drafting goes on."""
+        selector = self.selector
+        selection = guard.check_selection(selector, tree, guard.call("selector", selector, "select", tree, ctx))
+        if candidates is not None:
+            guard.check_among_likeliest(selector, selection, candidates, max_nodes)
+        if self.prefetcher is not None:
+            self.sink.at(ctx.draft_seconds)
+            self.sink.call("after_level", tree, list(selection.nodes), ctx.resident)
+        return selection
+
+    def _accept(self, block: VerifyBlock, sampler: Sampler) -> tuple[Acceptance, list[int]]:
+        """The target's verdict walked from the root (at most ``accept_limit`` draft tokens), and
+        the accepted path the verifier keeps."""
+        verifier = self.verifier
+        acc = walk(block, lambda pos: verifier.token_after(block, pos, sampler))
+        if self.accept_limit is not None and len(acc.path) > self.accept_limit:
+            if not sampler.params.greedy:
+                raise ConfigError("accept_limit (trace recording) needs greedy decoding")
+            path = acc.path[: self.accept_limit]
+            acc = Acceptance(path, verifier.token_after(block, path[-1] if path else 0, sampler))
+        return acc, verifier.keep(block, acc.path, acc.bonus)
+
+    def _commit(self, tree: DraftTree, block: VerifyBlock, verdict: Verdict, selection: Selection,
+                acc: Acceptance, path: list[int], sampler: Sampler, max_commit: int | None) -> list[int]:
+        """Hand the kept positions to the drafter, the outcome to the selector and the routing to
+        the predictor; returns the tokens committed and keeps the next root's probability."""
+        verifier, predictor = self.verifier, self.predictor
+        kept = [0] + path
+        kept_tokens = [block.tokens[p] for p in kept]
+        verifier.commit(kept_tokens, kept, acc.bonus)
+        if sampler.params.greedy:
+            tree.greedy_next = acc.bonus
+        guard.call("selector", self.selector, "observe", tree, selection.nodes, [block.nodes[p - 1] for p in path])
+        if predictor is not None:
+            guard.call("predictor", predictor, "observe", kept_tokens, verdict.routing[kept])
+        tokens = self._truncate(kept_tokens[1:] + [acc.bonus], max_commit)
+        bonus_pos = acc.path[-1] if acc.path else 0  # the block position whose logits gave the bonus
+        ends_in_bonus = len(tokens) == len(kept_tokens) and path == acc.path  # else the decode ends or diverged
+        self.root_prob = verifier.token_prob(block, bonus_pos, acc.bonus, sampler) if ends_in_bonus else None
+        return tokens
+
+    def _learn(self, record: CycleRecord) -> None:
+        """The finished cycle for the parts that learn from it: the cost model and a live sink from
+        measured cycles only, the selector from every one."""
+        if self.cost_model is not None and self.verifier.measured:
+            guard.call("cost_model", self.cost_model, "observe", record)
+        if self.sink is not None and self.verifier.measured:  # a live sink learns a layer's compute time
+            self.sink.observe(record.verify_seconds, waited_copy_seconds(record), record.verified + 1)
+        guard.call("selector", self.selector, "observe_time", record.levels > 0, record.committed,
+                   record.total_seconds)
+
     def _predictions_needed(self, tree: DraftTree) -> bool:
         """Predict this level's experts unless nothing reads them: a selector that prices levels
         with them always does; otherwise only a prefetcher does, while it says so (with no
         prefetcher they still serve the run's predictor recall)."""
-        if self.prefetcher is None or selector_reads_predictions(self.selector) \
-                or getattr(self.prefetcher, "needs_predictions", None) is None:  # optional: without it, needed
+        if self.prefetcher is None or selector_reads_predictions(self.selector):
             return True
         return guard.check_flag("prefetch", self.prefetcher, "needs_predictions",
                                 self.sink.call("needs_predictions", tree), "the answer")
@@ -278,40 +321,56 @@ def target_prob(logits: torch.Tensor, token: int, sampler: Sampler) -> float:
     return float(sampler.probs(logits)[token])
 
 
-def arriving(verifier: Any) -> np.ndarray | None:
-    """Seconds until each expert is usable (the runtime's or a replay's modelled link), for the cost
-    model; None when the verifier cannot tell."""
-    fn = getattr(verifier, "arriving", None)
-    return fn() if fn is not None else None
+def cycle_record(tree: DraftTree, block: VerifyBlock, verdict: Verdict, selection: Selection, accepted: int,
+                 committed: int, times: CycleTimes, quality: Any) -> CycleRecord:
+    """The record of one cycle: its tree, what it verified, accepted and committed, its seconds
+    (``times``) and the cache's figures from the pass (``verdict``)."""
+    return CycleRecord(
+        drafted=len(tree),
+        levels=tree.depth,
+        verified=len(block) - 1,
+        accepted=accepted,
+        committed=committed,
+        draft_seconds=times.draft_seconds,
+        select_seconds=times.select_seconds,
+        verify_seconds=times.verify_seconds,
+        h2d_seconds=verdict.h2d_seconds,
+        h2d_stall_seconds=verdict.h2d_stall_seconds,
+        copies_overlap=verdict.copies_overlap,
+        stall_measured=verdict.stall_measured,
+        total_seconds=times.total_seconds,
+        misses=verdict.misses,
+        hits=verdict.hits,
+        union=verdict.union,
+        predicted=dict(selection.predicted),
+        prediction=quality,
+    )
 
 
-def selector_reads_predictions(selector: Any) -> bool:
+def no_levels() -> Generator[range, None, None]:
+    """The levels of a cycle that does not draft (the selector said so): none."""
+    yield from ()
+
+
+def selector_reads_predictions(selector: Selector) -> bool:
     """A cost-aware selector (``requires`` a predictor) prices every level with the predictions."""
-    return "predictor" in getattr(selector, "requires", ())
+    return "predictor" in selector.requires
 
 
-def chooses_among_likeliest(selector: Any) -> bool:
+def chooses_among_likeliest(selector: Selector) -> bool:
     """The selector verifies only nodes among the tree's ``max_nodes`` likeliest by path
-    probability (``chooses_among_likeliest``, optional): the cycle then predicts experts for
+    probability (``chooses_among_likeliest``): the cycle then predicts experts for
     those alone. A level of EAGLE-3's tree holds top_k^2 nodes (100), of which 4-50 enter the
     likeliest 60 on the demo pair's traces; at Qwen3-30B-A3B's 48 x 128 experts the history
     predictor takes 3.5 ms for 100 nodes and 0.7 ms for 20 (docs/results.md)."""
-    answer = getattr(selector, "chooses_among_likeliest", False)
-    return guard.check_flag("selector", selector, "chooses_among_likeliest", answer, "the attribute")
+    return guard.check_flag("selector", selector, "chooses_among_likeliest", selector.chooses_among_likeliest,
+                            "the attribute")
 
 
-def should_draft(selector: Any) -> bool:
-    """Selectors may skip drafting for a cycle (``should_draft``, optional): the root alone is verified."""
-    if getattr(selector, "should_draft", None) is None:
-        return True
+def should_draft(selector: Selector) -> bool:
+    """Selectors may skip drafting for a cycle (``should_draft``): the root alone is verified."""
     answer = guard.call("selector", selector, "should_draft")
     return guard.check_flag("selector", selector, "should_draft", answer, "the answer")
-
-
-def report_time(selector: Any, drafted: bool, committed: int, seconds: float) -> None:
-    """Selectors may learn from each finished cycle's time (``observe_time``, optional)."""
-    if getattr(selector, "observe_time", None) is not None:
-        guard.call("selector", selector, "observe_time", drafted, committed, seconds)
 
 
 def bind_estimator_target(selector: Any, target: Any) -> None:

@@ -2,41 +2,39 @@
 accept, commit) until a stop token, ``max_new_tokens`` or the context limit.
 
 The cycle itself is :class:`specfit.decode.cycle.Cycle`, shared with trace replay; here it runs
-against the target through :class:`LiveVerifier`. Autoregressive decoding is the same loop with a
+against the target through :class:`specfit.decode.live.LiveVerifier`. Autoregressive decoding is the same loop with a
 drafter that proposes nothing: each cycle then verifies only the root and commits the target's
 next token.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
+from specfit.decode.args import check_engine_args, check_plain_engine_args
+from specfit.decode.cycle import Cycle, CycleObserver, bind_estimator_target, target_prob
+from specfit.decode.limits import context_limit, eos_ids, native_context
+from specfit.decode.live import LiveVerifier, device_now
+from specfit.decode.restore import dense_placement, forward_hooks, restore_dense_placement, restore_forward_hooks
+from specfit.decode.sampling import Sampler, SamplingParams
+from specfit.errors import ConfigError
+from specfit.interfaces import CostModel, Drafter, ExpertCache, ExpertPredictor, Prefetcher, Selector, guard
+from specfit.interfaces.contracts import check_parts
 from specfit.messages import note_once
-from specfit.interfaces import guard
-from specfit.decode.cycle import bind_estimator_target
-from specfit.types.context import TokenContext
+from specfit.model.numerics import apply_numerics, check_numerics, numerics_info
+from specfit.model.target import Target
 from specfit.offload.copy.base import CopyEngine, waits_measured
 from specfit.offload.copy.factory import make_copy_engine
-from specfit.types.link_profiles import LinkSettings
-from specfit.decode.cycle import Cycle, CycleObserver, CycleTimes, Verdict, target_prob
-from specfit.interfaces.contracts import check_parts
-from specfit.offload.store import HostExpertStore
-from specfit.model.numerics import apply_numerics, check_numerics, map_dense_tensors, numerics_info
-from specfit.offload.runtime import OffloadRuntime
-from specfit.decode.sampling import Sampler, SamplingParams
-from specfit.types.stats import RUNTIME_PREFETCH_COUNTS, CycleRecord, RunStats
-from specfit.model.target import PassOutput, Target
-from specfit.types.tree import DraftTree, VerifyBlock
-from specfit.errors import ConfigError
 from specfit.offload.prefetch import LiveSink
-from specfit.interfaces import CostModel, Drafter, ExpertCache, ExpertPredictor, Prefetcher, Selector
-from specfit.decode.args import check_engine_args, check_plain_engine_args
+from specfit.offload.runtime import OffloadRuntime
+from specfit.offload.store import HostExpertStore
+from specfit.types.context import TokenContext
+from specfit.types.link_profiles import LinkSettings
+from specfit.types.stats import RUNTIME_PREFETCH_COUNTS, CycleRecord, RunStats
 from specfit.validation import device_arg, integer, is_collection, token_ids
 
 
@@ -51,48 +49,18 @@ class GenerationOutput:
     finish_reason: str = "length"
 
 
-_FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-                  "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
-
-
-def forward_hooks(model: nn.Module) -> dict[nn.Module, dict[str, dict]]:
-    """Every module's forward hooks as they are now (for :func:`restore_forward_hooks`)."""
-    return {m: {name: dict(getattr(m, name)) for name in _FORWARD_HOOKS} for m in model.modules()}
-
-
-def restore_forward_hooks(saved: dict[nn.Module, dict[str, dict]]) -> None:
-    """Put back the hooks :func:`forward_hooks` saw: those the runtime and the plug-ins of a failed
-    build registered go (they would run in the next Engine's passes)."""
-    for module, hooks in saved.items():
-        for name, entries in hooks.items():
-            current = getattr(module, name)
-            current.clear()
-            current.update(entries)
-
-
-def dense_placement(model: nn.Module) -> dict[tuple[nn.Module, str], tuple[torch.dtype, torch.device]]:
-    """Each parameter's and buffer's dtype and device (for :func:`restore_dense_placement`)."""
-    saved: dict[tuple[nn.Module, str], tuple[torch.dtype, torch.device]] = {}
-
-    def note(module: nn.Module, name: str, t: torch.Tensor) -> None:
-        saved[module, name] = (t.dtype, t.device)
-
-    map_dense_tensors(model, note)
-    return saved
-
-
-def restore_dense_placement(model: nn.Module, saved: dict[tuple[nn.Module, str], tuple[torch.dtype, torch.device]]) -> None:
-    """Cast and move back what a failed build's ``numerics`` upcast or moved (exact: half values
-    were upcast, so casting back loses nothing); the replaced experts modules are gone already."""
-    def back(module: nn.Module, name: str, t: torch.Tensor) -> torch.Tensor | None:
-        dtype, device = saved.get((module, name), (t.dtype, t.device))
-        return t.to(device, dtype) if (t.dtype, t.device) != (dtype, device) else None
-
-    map_dense_tensors(model, back)
-
-
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check_given_parts(**parts: Any) -> None:
+    """The parts an :class:`EngineCore` is given: a drafter, a selector and a cache at least, each
+    fulfilling its kind's contract, and what the selector requires."""
+    missing = [kind for kind in ("drafter", "selector", "cache") if parts[kind] is None]
+    if missing:
+        raise ConfigError(f"EngineCore needs a {', '.join(missing)}: give one, or use specfit.Engine, "
+                          "which fills the registered defaults")
+    check_parts(parts)
 
 
 class DecodeListener(Protocol):
@@ -140,12 +108,8 @@ class EngineCore:
     ) -> None:
         check_engine_args(model, max_new_tokens, sampling)
         check_numerics(numerics)
-        missing = [kind for kind, part in (("drafter", drafter), ("selector", selector), ("cache", cache)) if part is None]
-        if missing:
-            raise ConfigError(f"EngineCore needs a {', '.join(missing)}: give one, or use specfit.Engine, "
-                              "which fills the registered defaults")
-        check_parts({"drafter": drafter, "selector": selector, "cost_model": cost_model, "predictor": predictor,
-                     "cache": cache, "prefetch": prefetcher})
+        check_given_parts(drafter=drafter, selector=selector, cost_model=cost_model, predictor=predictor,
+                          cache=cache, prefetch=prefetcher)
         # every plain argument before the runtime takes the model's experts (it changes the model in place)
         self.device = device_arg(device) if device is not None else default_device()
         check_plain_engine_args(self.device, copy, link, tokenizer, ignore_eos)
@@ -171,21 +135,8 @@ class EngineCore:
             raise
         self.sampling = sampling or SamplingParams()
         self.max_new_tokens = max_new_tokens
-        self.stop_token_ids = stop_ids if ignore_eos else stop_ids | _eos_ids(model, tokenizer)
-        self.info = {
-            "drafter": self.drafter.name,
-            "selector": self.selector.name,
-            "cache": self.runtime.policy.name,
-            "prefetch": prefetcher.name if prefetcher is not None else "none",
-            "cache_slots_per_layer": self.runtime.slots_per_layer,
-            "copy_engine": self.copy_engine.describe(),
-            "h2d_emulated": bool(self.copy_engine.emulated),
-            "h2d_stall_measured": self.stall_measured,  # the stall is the host's wait (see verify_compute_seconds)
-            "expert_compute": self.runtime.compute.name,
-            **numerics_info(numerics, self.spec, model),
-            **memory_info(self.runtime, model),
-            **(info or {}),
-        }
+        self.stop_token_ids = stop_ids if ignore_eos else stop_ids | eos_ids(model, tokenizer)
+        self.info = {**self._describe(model, numerics), **(info or {})}
 
     def _bind(self, model: nn.Module, tokenizer: Any, drafter: Drafter, selector: Selector,
               cost_model: CostModel | None, predictor: ExpertPredictor | None, prefetcher: Prefetcher | None,
@@ -204,8 +155,9 @@ class EngineCore:
         # Plug-ins are called through specfit.interfaces.guard: their errors and bad values name them.
         guard.call("drafter", self.drafter, "bind", self.target)
         self.target.feature_layers = guard.feature_layers(self.drafter, getattr(model.config, "num_hidden_layers", None))
-        for limit in ("depth", "total_tokens"):  # read every cycle: sizes of what the selector may choose
-            guard.check_count("drafter", self.drafter, "bind", getattr(self.drafter, limit), f"drafter.{limit}")
+        # read every cycle: sizes of what the selector may choose
+        guard.check_count("drafter", self.drafter, "bind", self.drafter.depth, "drafter.depth")
+        guard.check_count("drafter", self.drafter, "bind", self.drafter.total_tokens, "drafter.total_tokens")
         self.target.check_drafter(self.drafter.name, self.drafter.depth)  # e.g. no tree over a recurrent state
         self._vocab = int(model.config.vocab_size)  # draft tokens must be target token ids
         guard.call("selector", self.selector, "bind", self.spec)
@@ -225,6 +177,22 @@ class EngineCore:
         self.copies_overlap = prefetcher is not None and prefetcher.name != "none" and waits_measured(self.copy_engine)
         self.listeners: list[DecodeListener] = []
         self.stall_measured = waits_measured(self.copy_engine)  # its waits are the host's
+
+    def _describe(self, model: nn.Module, numerics: str) -> dict[str, Any]:
+        """The engine's parts and settings, for every run's results."""
+        return {
+            "drafter": self.drafter.name,
+            "selector": self.selector.name,
+            "cache": self.runtime.policy.name,
+            "prefetch": self.prefetcher.name if self.prefetcher is not None else "none",
+            "cache_slots_per_layer": self.runtime.slots_per_layer,
+            "copy_engine": self.copy_engine.describe(),
+            "h2d_emulated": bool(self.copy_engine.emulated),
+            "h2d_stall_measured": self.stall_measured,  # the stall is the host's wait (see verify_compute_seconds)
+            "expert_compute": self.runtime.compute.name,
+            **numerics_info(numerics, self.spec, model),
+            **memory_info(self.runtime, model),
+        }
 
     # ------------------------------------------------------------------ public API
 
@@ -253,54 +221,17 @@ class EngineCore:
         """
         ids = self.check_prompt(prompt)
         limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        check_engine_args(self.model, limit, sampling)
-        if accept_limit is not None:
-            integer("accept_limit", accept_limit, minimum=0)
-            if not (sampling or self.sampling).greedy:
-                raise ConfigError("accept_limit (trace recording) needs greedy decoding (sampling.temperature=0)")
-        if not is_collection(observers) or not all(callable(getattr(o, hook, None)) for o in observers
-                                                   for hook in ("on_prefill", "on_cycle")):
-            raise ConfigError(f"observers={observers!r:.60} must be a list of objects with on_prefill and on_cycle")
-        predictor = self.predictor if predict else None
-        selector = self.selector if selector is None else selector
-        if selector is not self.selector or predictor is not self.predictor:  # checked as the engine's own are
-            check_parts({"selector": selector, "cost_model": self.cost_model, "predictor": predictor})
-        cycle = Cycle(LiveVerifier(self), self.spec, selector, predictor, self.cost_model, accept_limit,
-                      tuple(observers), self.stop_token_ids, self.prefetcher, self.prefetch_sink)
+        self._check_generate_args(limit, sampling, observers, accept_limit)
+        cycle = self._cycle(selector, predict, observers, accept_limit)
         sampler = Sampler(sampling or self.sampling)
         stats = RunStats(prompt_tokens=len(ids), info=dict(self.info))
         counted = self._prefetch_counters()
-        out: list[int] = []
         with torch.inference_mode():
             self.runtime.settle_copies()  # a decode an error cut short left some: counted before this one
-            start = _now(self.device)
-            before_prefill = self.runtime.stats.copy()
-            prefill = self.target.prefill(ids)
-            out.append(sampler.token(prefill.logits[-1], 0))
-            cycle.root_prob = target_prob(prefill.logits[-1], out[-1], sampler)  # the first root's, for estimators
-            cycle.context = TokenContext([*ids, out[-1]])
-            guard.call("drafter", self.drafter, "start", ids, prefill.features, out[-1])
-            if predictor is not None:
-                guard.call("predictor", predictor, "observe", ids, prefill.routing)  # the prompt's routing: a free warm start
-            for observer in cycle.observers:
-                observer.on_prefill(ids, prefill.routing, out[-1])
-            stats.prefill_seconds = _now(self.device) - start
-            self.runtime.settle_copies(landed_only=True)  # the prefill's unwaited copies count in it
-            decode_start = self.runtime.stats.copy()
-            stats.prefill_cache = decode_start.since(before_prefill)
-            while out[-1] not in self.stop_token_ids:
-                context_room = self._context_room(len(ids) + len(out))
-                room = limit - len(out) if context_room is None else min(limit - len(out), context_room)
-                if room <= 0:
-                    break
-                sampler.position = len(out)  # the output index of the first token this cycle decides
-                record, tokens = cycle.run(out[-1], sampler, self.drafter.depth, self.drafter.total_tokens,
-                                           room=context_room, max_commit=room)
-                out.extend(tokens)
-                stats.cycles.append(record)
-                for listener in self.listeners:
-                    listener.cycle_ended()
-            stats.total_seconds = _now(self.device) - start
+            start = device_now(self.device)
+            out, decode_start = self._prefill(ids, cycle, sampler, stats, start)
+            self._decode(ids, out, limit, cycle, sampler, stats)
+            stats.total_seconds = device_now(self.device) - start
             self.runtime.settle_copies()  # copies never waited for: their own time, not their enqueue time
             stats.cache = self.runtime.stats.since(decode_start)
         for listener in self.listeners:  # e.g. what the selector learned is saved between decodes, not tokens
@@ -312,9 +243,68 @@ class EngineCore:
         return GenerationOutput(out, text, stats.summary(), prompt_ids=ids, cycles=stats.cycles,
                                 finish_reason=stats.finish_reason)
 
+    def _check_generate_args(self, limit: int, sampling: SamplingParams | None, observers: Sequence[CycleObserver],
+                             accept_limit: int | None) -> None:
+        check_engine_args(self.model, limit, sampling)
+        if accept_limit is not None:
+            integer("accept_limit", accept_limit, minimum=0)
+            if not (sampling or self.sampling).greedy:
+                raise ConfigError("accept_limit (trace recording) needs greedy decoding (sampling.temperature=0)")
+        if not is_collection(observers) or not all(isinstance(o, CycleObserver) for o in observers):
+            raise ConfigError(f"observers={observers!r:.60} must be a list of objects with on_prefill and on_cycle")
+
+    def _cycle(self, selector: Selector | None, predict: bool, observers: Sequence[CycleObserver],
+               accept_limit: int | None) -> Cycle:
+        """The cycle this decode runs, with the engine's parts or the call's own selector."""
+        predictor = self.predictor if predict else None
+        selector = self.selector if selector is None else selector
+        if selector is not self.selector or predictor is not self.predictor:  # checked as the engine's own are
+            check_parts({"selector": selector, "cost_model": self.cost_model, "predictor": predictor})
+        verifier = LiveVerifier(self.target, self.runtime, self.drafter, self.device, vocab=self._vocab,
+                                copies_overlap=self.copies_overlap, stall_measured=self.stall_measured)
+        return Cycle(verifier, self.spec, selector, predictor, self.cost_model, accept_limit,
+                     tuple(observers), self.stop_token_ids, self.prefetcher, self.prefetch_sink)
+
+    def _prefill(self, ids: list[int], cycle: Cycle, sampler: Sampler, stats: RunStats,
+                 start: float) -> tuple[list[int], Any]:
+        """The prompt's pass and the first token, which every part that keeps a sequence starts
+        from; returns the output so far and the runtime's counts when decoding starts."""
+        before_prefill = self.runtime.stats.copy()
+        prefill = self.target.prefill(ids)
+        first = sampler.token(prefill.logits[-1], 0)
+        cycle.root_prob = target_prob(prefill.logits[-1], first, sampler)  # the first root's, for estimators
+        cycle.context = TokenContext([*ids, first])
+        guard.call("drafter", self.drafter, "start", ids, prefill.features, first)
+        if cycle.predictor is not None:
+            guard.call("predictor", cycle.predictor, "observe", ids, prefill.routing)  # the prompt's routing: a free warm start
+        for observer in cycle.observers:
+            observer.on_prefill(ids, prefill.routing, first)
+        stats.prefill_seconds = device_now(self.device) - start
+        self.runtime.settle_copies(landed_only=True)  # the prefill's unwaited copies count in it
+        decode_start = self.runtime.stats.copy()
+        stats.prefill_cache = decode_start.since(before_prefill)
+        return [first], decode_start
+
+    def _decode(self, ids: list[int], out: list[int], limit: int, cycle: Cycle, sampler: Sampler,
+                stats: RunStats) -> None:
+        """Cycles until a stop token, ``limit`` new tokens or the context limit; ``out`` grows by
+        each cycle's tokens, ``stats`` by its record."""
+        while out[-1] not in self.stop_token_ids:
+            context_room = self._context_room(len(ids) + len(out))
+            room = limit - len(out) if context_room is None else min(limit - len(out), context_room)
+            if room <= 0:
+                break
+            sampler.position = len(out)  # the output index of the first token this cycle decides
+            record, tokens = cycle.run(out[-1], sampler, self.drafter.depth, self.drafter.total_tokens,
+                                       room=context_room, max_commit=room)
+            out.extend(tokens)
+            stats.cycles.append(record)
+            for listener in self.listeners:
+                listener.cycle_ended()
+
     def _prefetch_counters(self) -> dict[str, int]:
         """The prefetcher's ``counters()`` (none without one), checked: names to integers."""
-        if self.prefetch_sink is None or not callable(getattr(self.prefetcher, "counters", None)):  # optional
+        if self.prefetch_sink is None:
             return {}
         counts = self.prefetch_sink.call("counters")
         if not isinstance(counts, dict) or not all(isinstance(k, str) and type(v) is int for k, v in counts.items()):
@@ -343,7 +333,7 @@ class EngineCore:
     def context_source(self) -> str:
         """The context limit and where it comes from, e.g. ``8 (model.max_model_len=8)``."""
         limit = self.max_model_len
-        native = _native_context(self.model.config)
+        native = native_context(self.model.config)
         source = "the model's max_position_embeddings" if limit == native else f"model.max_model_len={limit}"
         return f"{limit} ({source})"
 
@@ -366,71 +356,6 @@ class EngineCore:
         return token_ids("prompt", prompt, self.model.config.vocab_size, allow_empty=False)
 
 
-class LiveVerifier:
-    """The cycle's verifier for live decoding: the drafter grows the tree, the target (through the
-    offload runtime) verifies it, and every time is the wall clock's."""
-
-    measured = True
-
-    def __init__(self, engine: EngineCore) -> None:
-        self.engine, self.device = engine, engine.device
-        self.target, self.runtime, self.drafter = engine.target, engine.runtime, engine.drafter
-        self._result: PassOutput | None = None
-        self._prefix = 0
-
-    @property
-    def extra(self) -> dict[str, Any]:
-        return {}
-
-    def now(self) -> float:
-        return _now(self.device)
-
-    def levels(self, tree: DraftTree) -> Iterator[range]:
-        return guard.drafted_levels(self.drafter, tree, self.engine._vocab)
-
-    def draft_seconds(self, levels: int, elapsed: float, overhead: float) -> float:
-        return elapsed  # everything this cycle has spent so far
-
-    def resident(self) -> np.ndarray:
-        return self.runtime.resident()
-
-    def arriving(self) -> np.ndarray | None:
-        """Seconds until each expert is usable, where the runtime tracks copies in flight."""
-        fn = getattr(self.runtime, "arriving", None)
-        return fn() if fn is not None else None
-
-    def verify(self, block: VerifyBlock) -> Verdict:
-        before = self.runtime.stats.copy()
-        self._prefix = self.target.kv_len
-        self._result = result = self.target.verify(block)
-        during = self.runtime.stats.since(before)
-        return Verdict(result.routing, during.misses, during.hits, [int(u) for u in during.union_sum],
-                       during.h2d_seconds, during.h2d_stall_seconds, self.engine.copies_overlap,
-                       self.engine.stall_measured)
-
-    def token_after(self, block: VerifyBlock, pos: int, sampler: Sampler) -> int:
-        return sampler.token(self._result.logits[pos], sampler.position + block.depths[pos])
-
-    def token_prob(self, block: VerifyBlock, pos: int, token: int, sampler: Sampler) -> float | None:
-        return target_prob(self._result.logits[pos], token, sampler)
-
-    def keep(self, block: VerifyBlock, path: list[int], bonus: int) -> list[int]:
-        self.target.keep(self._prefix, [0] + path)
-        return path
-
-    def commit(self, tokens: list[int], kept: list[int], bonus: int) -> None:
-        features = self._result.features
-        if features is not None and kept != list(range(len(features))):  # rows of a tree pass; a plain pass keeps its one
-            features = features[kept]
-        guard.call("drafter", self.drafter, "commit", tokens, features, bonus)
-
-    def argmax(self) -> list[int]:
-        return self._result.logits.argmax(dim=-1).tolist()
-
-    def times(self, measured: CycleTimes, levels: int, verified: int, verdict: Verdict, overhead: float) -> CycleTimes:
-        return measured
-
-
 def memory_info(runtime: OffloadRuntime, model: nn.Module) -> dict[str, int]:
     """Where the weights live: the experts' host store (shared: one copy for several engines, counted
     once however many report it), the device slot pool, and the dense rest."""
@@ -441,51 +366,3 @@ def memory_info(runtime: OffloadRuntime, model: nn.Module) -> dict[str, int]:
         "expert_device_bytes": runtime.device_bytes,
         "dense_device_bytes": sum(t.numel() * t.element_size() for t in dense.values()),
     }
-
-
-def context_limit(config: Any, override: int | None = None) -> int | None:
-    """The most tokens (prompt + output) the target holds: ``max_position_embeddings`` of its config,
-    or a smaller ``override`` (``model.max_model_len``, as in vLLM); None when neither is known."""
-    native = _native_context(config)
-    if override is None:
-        return native
-    integer("model.max_model_len", override, minimum=2)  # a prompt token and a new one
-    if native is not None and override > native:
-        raise ConfigError(f"model.max_model_len={override} exceeds the model's context limit {native} "
-                          f"(max_position_embeddings, with its RoPE scaling)")
-    return override
-
-
-def _native_context(config: Any) -> int | None:
-    """``max_position_embeddings``, extended by a RoPE scaling factor as vLLM derives it (YaRN:
-    ``original_max_position_embeddings x factor``; linear and dynamic: ``max_position_embeddings x factor``)."""
-    native = getattr(config, "max_position_embeddings", None)
-    if not isinstance(native, int) or isinstance(native, bool) or native <= 0:
-        return None
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    if not isinstance(rope, dict) or not isinstance(rope.get("factor"), (int, float)):
-        return native
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind in ("default", "su", "longrope", "llama3"):
-        return native
-    base = rope.get("original_max_position_embeddings", native) if kind == "yarn" else native
-    return int(base * rope["factor"])
-
-
-def _eos_ids(model: nn.Module, tokenizer: Any) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is None:
-            continue
-        ids |= set(eos) if isinstance(eos, (list, tuple, set)) else {int(eos)}
-    return ids
-
-
-def _now(device: torch.device) -> float:
-    """Wall clock, after the compute stream has finished its queued work (so timings are real).
-    Not the whole device: a device-wide synchronize also waits for the copy stream, so every
-    prefetch issued during drafting would land before drafting went on, overlapping nothing."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-    return time.perf_counter()

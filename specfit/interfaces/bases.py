@@ -26,11 +26,15 @@ if TYPE_CHECKING:
 class DrafterBase(ABC):
     """Required: ``draft(tree)``, and ``depth`` / ``total_tokens`` (set them in ``__init__`` or on
     the class). Defaults: ``bind``, ``start`` and ``commit`` do nothing; ``feature_layers()`` is
-    empty (the drafter needs no hidden states of the target)."""
+    empty (the drafter needs no hidden states of the target); no weights' ``path``, no beam
+    (``top_k = None``), no unused acceptance probe (``probe_left_unused = False``)."""
 
     name: ClassVar[str]
     depth: int
     total_tokens: int
+    path: str | None = None
+    top_k: int | None = None
+    probe_left_unused: bool = False
 
     def bind(self, target: Any) -> None:
         pass
@@ -52,14 +56,19 @@ class DrafterBase(ABC):
 class SelectorBase(ABC):
     """Required: ``select(tree, ctx)``. Defaults: needs no other part (``requires = ()``), may
     choose any drafted node (``chooses_among_likeliest = False``), takes no acceptance estimator
-    (``takes_estimator = False``, ``estimator = None``), ``bind`` does nothing,
-    ``should_draft()`` is always True, ``observe`` and ``observe_time`` ignore what they are told."""
+    (``takes_estimator = False``, ``estimator = None``), reads no draft time (``draft_time = None``),
+    has no draft gate (``gate = None``) and scores no estimates (``acceptance_score = None``),
+    ``bind`` does nothing, ``should_draft()`` is always True, ``observe`` and ``observe_time``
+    ignore what they are told."""
 
     name: ClassVar[str]
     requires: ClassVar[Sequence[str]] = ()
     chooses_among_likeliest: ClassVar[bool] = False
     takes_estimator: ClassVar[bool] = False
     estimator: Any = None
+    draft_time: str | None = None
+    gate: Any = None
+    acceptance_score: Any = None
 
     def bind(self, spec: MoESpec) -> None:
         pass
@@ -83,8 +92,9 @@ class CostModelBase(ABC):
 
     Defaults: ``calibration = "auto"`` (``specfit.build`` loads this setup's stored calibration, or
     measures it, and calls ``set_constants``); ``constants`` are those set, ``calibrated`` says
-    whether any are; ``bind`` keeps the spec as ``self.spec``; ``observe`` ignores cycles.
-    ``problem`` refuses, naming the model: a cost model that does not state cycles as an
+    whether any are; ``set_constants`` replaces them (the one change made to a part after it is
+    built: by the calibration ``specfit.build`` attaches, or a replay's constants); ``bind`` keeps
+    the spec as ``self.spec``; ``observe`` ignores cycles. ``problem`` refuses, naming the model: a cost model that does not state cycles as an
     expert-union :class:`~specfit.search.SearchProblem` can still serve selectors of your own,
     but not the cost-aware built-ins (``specfit``, ``greedy``, ``prefix``).
     """
@@ -111,7 +121,7 @@ class CostModelBase(ABC):
         self._constants = constants
 
     def problem(self, tree: DraftTree, accept: np.ndarray, resident: np.ndarray,
-                draft_seconds: float) -> SearchProblem:
+                draft_seconds: float, arriving: np.ndarray | None = None) -> SearchProblem:
         raise ConfigError(f"cost_model={self.name} builds no selection problems, which the cost-aware selectors "
                           "(specfit, greedy, prefix) need: use cost_model=union with them")
 
@@ -165,10 +175,12 @@ class ExpertPredictorBase(ABC):
 
 
 class AcceptanceEstimatorBase(ABC):
-    """Required: ``estimate(tree)``. Defaults: ``bind`` and ``bind_target`` do nothing, ``observe``
-    ignores what it is told, ``state()`` keeps nothing (None) and ``load_state`` ignores what it is given."""
+    """Required: ``estimate(tree)``. Defaults: ``state_file = "auto"`` (its state is the setup's),
+    ``bind`` and ``bind_target`` do nothing, ``observe`` ignores what it is told, ``state()`` keeps
+    nothing (None) and ``load_state`` ignores what it is given."""
 
     name: ClassVar[str]
+    state_file: str = "auto"
 
     def bind(self, spec: MoESpec) -> None:
         pass
@@ -192,7 +204,8 @@ class AcceptanceEstimatorBase(ABC):
 
 class PrefetcherBase(ABC):
     """Nothing required. Defaults: ``bind`` keeps the target and the sink (``self.target``,
-    ``self.sink``), ``after_level`` prefetches nothing, ``counters`` has none. A prefetcher of
+    ``self.sink``), ``after_level`` prefetches nothing, ``needs_predictions`` is True,
+    ``counters`` has none. A prefetcher of
     hidden states sets its hooks in ``bind``; one of draft predictions writes ``after_level``."""
 
     name: ClassVar[str]

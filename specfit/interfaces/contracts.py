@@ -52,7 +52,7 @@ def check_parts(parts: dict[str, Any], context: str = "") -> None:
         if part is not None:
             check_plugin_instance(kind, part)
     selector = parts.get("selector")
-    requires = getattr(selector, "requires", ())
+    requires = selector.requires if selector is not None else ()
     if not is_collection(requires):
         raise PluginError(f"selector '{getattr(selector, 'name', selector)}': requires={requires!r:.40} must be a "
                           "tuple of part kinds, e.g. ('cost_model', 'predictor')")

@@ -99,12 +99,23 @@ class Drafter(Protocol):
     ``depth`` bounds the tree's levels; ``total_tokens`` bounds the nodes a cycle may verify (EAGLE's
     reranking keeps the ``total_tokens`` nodes of highest path probability). Both are read every
     cycle (instance attributes, ints >= 0). Optional (defaults in ``DrafterBase``): ``bind``,
-    ``feature_layers`` (none), ``start``, ``commit``.
+    ``feature_layers`` (none), ``start``, ``commit``, and the settings the setup's fingerprint
+    (:func:`specfit.calibrate.fingerprint.setup_fingerprint`, which names the stored calibration and
+    the selector's learned state) records: ``path`` (None), ``top_k`` (None), ``probe_left_unused``
+    (False).
     """
 
     name: ClassVar[str]
     depth: int
     total_tokens: int
+    # the directory of the drafter's weights (an EAGLE-3 head), whose weight files' digest enters the
+    # fingerprint; None: it has none ("random": a random head, no files)
+    path: str | None
+    # the beam width (EAGLE-3's top_k) where the drafter has one; None: it has none
+    top_k: int | None
+    # True when the weights' directory holds an acceptance probe the drafter does not use (its
+    # acceptance differs: another setup for the state stored per setup)
+    probe_left_unused: bool
 
     def bind(self, target: Any) -> None:
         """Attach to the target (:class:`specfit.model.target.Target`): shapes, embeddings."""
@@ -159,8 +170,9 @@ class Selector(Protocol):
     """Chooses the subtree to verify; ``select`` is called after every draft level.
 
     Optional (defaults in ``SelectorBase``): ``requires`` (none), ``chooses_among_likeliest``
-    (False), ``takes_estimator`` (False) and ``estimator`` (None), ``bind``, ``should_draft``
-    (always), ``observe``, ``observe_time``.
+    (False), ``takes_estimator`` (False) and ``estimator`` (None), ``draft_time`` (None), ``gate``
+    (None), ``acceptance_score`` (None), ``bind``, ``should_draft`` (always), ``observe``,
+    ``observe_time``.
     """
 
     name: ClassVar[str]
@@ -176,6 +188,16 @@ class Selector(Protocol):
     takes_estimator: ClassVar[bool]
     # the acceptance estimator it owns (None: it uses none); the engine binds it to the target
     estimator: AcceptanceEstimator | None
+    # how it counts D, the draft time spent: "measured" (the clock) or "modelled" (the cost model's
+    # c_draft0 + c_level * depth); None: it reads no draft time. What a selector with an estimator
+    # learned is kept per setup (specfit.calibrate.setup_state) only under "measured"
+    draft_time: str | None
+    # its draft gate, whose state is kept per setup with the estimator's: an object with
+    # ``state() -> dict`` and ``load_state(dict)`` (specfit.plugins._kit.selection.DraftGate); None: none
+    gate: Any
+    # how well its estimator's a_v forecast the settled outcomes so far
+    # (:class:`specfit.types.acceptance.AcceptanceScore`), reported by a trace replay; None: not scored
+    acceptance_score: Any
 
     def bind(self, spec: MoESpec) -> None:
         """Prepare for a model (``spec``: layers, experts, top-k)."""
@@ -206,11 +228,15 @@ class AcceptanceEstimator(Protocol):
     The selector that owns it calls ``estimate`` after each draft level and ``observe`` after each
     verification; ``state`` / ``load_state`` carry what it learned from one engine to the next of
     the same setup (stored beside the calibration). Optional (defaults in
-    ``AcceptanceEstimatorBase``): ``bind``, ``bind_target`` (nothing), ``observe``, ``state``
-    (nothing to keep), ``load_state``.
+    ``AcceptanceEstimatorBase``): ``state_file`` (``"auto"``), ``bind``, ``bind_target`` (nothing),
+    ``observe``, ``state`` (nothing to keep), ``load_state``.
     """
 
     name: ClassVar[str]
+    # where its state comes from: "auto", the setup's stored state (specfit.build loads it and saves
+    # what it learns); a file the user named (``acceptance.state_file=FILE``), which it reads itself
+    # and which is never overwritten
+    state_file: str
 
     def bind(self, spec: MoESpec) -> None:
         """Prepare for a model (``spec``: layers, experts, top-k)."""
@@ -244,9 +270,11 @@ class CostModel(Protocol):
 
     ``specfit.build`` loads or measures the constants of an uncalibrated model (``calibrated`` false)
     from ``calibration`` (``"auto"``: the stored calibration of this setup) and hands them to
-    ``set_constants``; the trace replay charges each cycle ``constants.cycle_seconds(...)``; the
-    cost-aware selectors call ``problem``. Optional (defaults in ``CostModelBase``): all but
-    ``problem``, which the default refuses with a message naming the model.
+    ``set_constants``, the one hook through which a part is changed after it is built (a replay
+    does the same with its trace's or profile's constants); the trace replay charges each cycle
+    ``constants.cycle_seconds(...)``; the cost-aware selectors call ``problem``. Optional (defaults
+    in ``CostModelBase``): all but ``problem``, which the default refuses with a message naming the
+    model.
     """
 
     name: ClassVar[str]
@@ -267,9 +295,12 @@ class CostModel(Protocol):
         """Use ``constants`` from now on (measured, or loaded from a calibration file)."""
 
     def problem(self, tree: DraftTree, accept: np.ndarray, resident: np.ndarray,
-                draft_seconds: float) -> SearchProblem:
+                draft_seconds: float, arriving: np.ndarray | None = None) -> SearchProblem:
         """The selection instance of ``tree``: ``accept`` holds each node's acceptance estimate,
-        ``resident`` the cache's residency, ``draft_seconds`` the time already spent (D)."""
+        ``resident`` the cache's residency, ``draft_seconds`` the time already spent (D),
+        ``arriving`` the seconds until each expert is usable (:attr:`SelectionContext.arriving`:
+        experts in flight; None where nothing is known), always passed: a model that does not
+        price copies in flight ignores it."""
 
     def observe(self, record: Any) -> None:
         """A measured cycle (:class:`specfit.types.stats.CycleRecord`), for online calibration."""
@@ -360,11 +391,7 @@ class Prefetcher(Protocol):
     on the target's layers in ``bind`` (live runs only). The cache policy decides what is admitted
     (``ExpertCache.admit_prefetch``); a prefetch never changes the output. Optional (defaults in
     ``PrefetcherBase``): ``bind`` (keeps the sink), ``after_level`` (nothing),
-    ``needs_predictions(tree) -> bool`` (True): whether the rest of this cycle's draft levels need
-    expert predictions for it. Where the selector reads none (``eagle3``), a prefetcher that says
-    False spares the predictor the cycle's remaining levels (EAGLE-3's trees: hundreds of nodes);
-    ``counters() -> dict[str, int]`` (none): counts kept since ``bind``, whose growth over a run
-    goes into its results as ``prefetch_<name>`` (the look-ahead's passes run and paused).
+    ``needs_predictions`` (True), ``counters`` (none).
     """
 
     name: ClassVar[str]
@@ -378,6 +405,15 @@ class Prefetcher(Protocol):
         selector would verify now (its current best subtree; their experts are in ``tree.experts``
         and the root's in ``tree.root_experts`` when a predictor is configured), ``resident`` the
         cache's residency (bool [layers, experts])."""
+
+    def needs_predictions(self, tree: DraftTree) -> bool:
+        """Whether the rest of this cycle's draft levels need expert predictions for it (asked
+        after each level). Where the selector reads none (``eagle3``), a prefetcher that says False
+        spares the predictor the cycle's remaining levels (EAGLE-3's trees: hundreds of nodes)."""
+
+    def counters(self) -> dict[str, int]:
+        """Counts kept since ``bind``, whose growth over a run goes into its results as
+        ``prefetch_<name>`` (the look-ahead's passes run and paused); checked: names to ints."""
 
 
 KINDS: dict[str, type] = {

@@ -58,7 +58,7 @@ import math
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Generator
 
 import numpy as np
 
@@ -136,7 +136,7 @@ class TracePosition:
         rows = np.minimum(np.searchsorted(self.verified, nodes), len(self.verified) - 1)
         return np.where(self.verified[rows] == nodes, rows, -1)
 
-    def draft(self, tree: Any) -> Iterator[range]:
+    def draft(self, tree: Any) -> Generator[range, None, None]:
         """Grow ``tree`` (a :class:`specfit.types.tree.DraftTree` of this root) level by level as the
         drafter did: the root's entropy and acceptance logit before level 1, each level's with the
         next level, and the root probability (None where the recording did not have them)."""

@@ -199,7 +199,7 @@ def record(engine: Any, prompts: Sequence[str | Sequence[int]], max_new_tokens: 
 def _calibration(engine: Any) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """The cost model's constants and, when they came from a calibration file, its error report."""
     model = engine.cost_model
-    if model is None or not getattr(model, "calibrated", False):
+    if model is None or not model.calibrated:
         return None, None
     constants = model.constants
     report = None

@@ -24,7 +24,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from numbers import Real
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import numpy as np
 
@@ -355,7 +355,7 @@ class TraceVerifier:
 
     # ------------------------------------------------------------------ the Verifier protocol
 
-    def levels(self, tree: DraftTree) -> Iterator[range]:
+    def levels(self, tree: DraftTree) -> Generator[range, None, None]:
         return self.rec.draft(tree)
 
     def draft_seconds(self, levels: int, elapsed: float, overhead: float) -> float:
@@ -484,23 +484,21 @@ def _prefetch_summary(prefetcher: Any, sink: ModelledSink | None) -> dict[str, A
 
 def _acceptance_score(selector: Any) -> dict[str, Any]:
     """The selector's acceptance score (:class:`specfit.types.acceptance.AcceptanceScore`), if it keeps one."""
-    score = getattr(selector, "acceptance_score", None)
-    return score.as_dict() if score is not None and hasattr(score, "as_dict") and score.nodes else {}
+    score = selector.acceptance_score
+    return score.as_dict() if score is not None and score.nodes else {}
 
 
 def _constants(cost_model: Any, trace: Trace) -> CostConstants:
-    """The constants to charge: the cost model's own file or explicit values, else the trace's."""
-    if hasattr(cost_model, "set_constants") and not getattr(cost_model, "calibrated", True):
-        source = getattr(cost_model, "calibration", "auto")
+    """The constants to charge: the cost model's own file or explicit values, else the trace's
+    (handed to its ``set_constants``, the hook a replay, like ``specfit.build``, sets them through)."""
+    if not cost_model.calibrated:
+        source = cost_model.calibration
         if source not in ("auto", None):
             guard.call("cost_model", cost_model, "set_constants", load_constants(source))
         elif trace.meta.constants:
             guard.call("cost_model", cost_model, "set_constants", CostConstants.from_json(trace.meta.constants))
     try:
         constants = cost_model.constants
-    except AttributeError as exc:
-        raise ConfigError(f"cost_model '{cost_model.name}' has no constants: replay charges time with "
-                          "CostConstants (use cost_model=union)") from exc
     except ConfigError as exc:
         raise ConfigError("the trace carries no cost constants (it was recorded without cost_model=union): give "
                           "cost_model.calibration=FILE or cost_model.c0/c_tok/c_miss/c_hit") from exc

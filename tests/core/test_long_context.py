@@ -15,7 +15,7 @@ from conftest import tiny_model
 
 import specfit
 from specfit import Engine
-from specfit.decode.engine import context_limit
+from specfit.decode.limits import context_limit
 from specfit.errors import ConfigError
 from specfit.plugins.drafters.eagle3.head import KVBuffer
 

@@ -556,7 +556,7 @@ def test_a_copy_engine_that_does_not_wait_for_compute_is_refused():
 def test_timing_on_cuda_waits_for_the_compute_stream_only(monkeypatch):
     """The engine's clock synchronises the compute stream, not the device: a device-wide sync would
     wait for the copy stream too, so prefetches issued during drafting would overlap nothing."""
-    from specfit.decode import engine as engine_module
+    from specfit.decode.live import device_now
     synced = []
 
     class Stream:
@@ -565,7 +565,7 @@ def test_timing_on_cuda_waits_for_the_compute_stream_only(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append("device"))
-    engine_module._now(torch.device("cuda"))
+    device_now(torch.device("cuda"))
     assert synced == ["stream"]
 
 
@@ -581,7 +581,8 @@ def test_the_gate_is_off_on_cuda_and_says_so(capsys, monkeypatch):
 
 
 class NoBase:
-    """A prefetcher written to the Protocol alone, with a ``counters`` that is not a method."""
+    """A prefetcher written to the Protocol as it was before ``needs_predictions`` and ``counters``
+    were declared on it, with a ``counters`` that is not a method."""
 
     name = "nobase"
     counters = {"passes": 1}
@@ -593,12 +594,25 @@ class NoBase:
         pass
 
 
-def test_a_prefetcher_without_a_counters_method_reports_no_counters():
-    engine = Engine(tiny_model(), cache=LRUCache(capacity=3), prefetcher=NoBase(), device="cpu",
+def test_a_prefetcher_lacking_a_declared_member_is_refused_naming_it():
+    with pytest.raises(PluginError, match=r"prefetch 'nobase' \(NoBase\) lacks needs_predictions \(subclass "
+                                          r"specfit.interfaces.PrefetcherBase"):
+        Engine(tiny_model(), cache=LRUCache(capacity=3), prefetcher=NoBase(), device="cpu",
+               selector=NoDraftSelector())
+
+
+def test_a_prefetcher_written_to_the_protocol_alone_reports_its_counters():
+    class Declared(NoBase):
+        def needs_predictions(self, tree) -> bool:
+            return True
+
+        def counters(self) -> dict[str, int]:
+            return {"passes": 1}
+
+    engine = Engine(tiny_model(), cache=LRUCache(capacity=3), prefetcher=Declared(), device="cpu",
                     selector=NoDraftSelector())
     stats = engine.generate(PROMPT, max_new_tokens=2).stats
-    assert not [k for k in stats if k.startswith("prefetch_") and k not in ("prefetch_issued", "prefetch_used",
-                                                                             "prefetch_wasted")]
+    assert stats["prefetch_passes"] == 0  # the counts' growth over the run
 
 
 @pytest.mark.parametrize(("counts", "message"), [

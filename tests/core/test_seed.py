@@ -12,6 +12,7 @@ import torch
 
 import specfit
 from specfit.decode import engine as engine_module
+from specfit.decode import live as live_module
 from specfit.decode.sampling import Sampler, SamplingParams
 
 DEMO = Path(specfit.__file__).parent / "assets" / "demo"
@@ -81,7 +82,9 @@ def test_modelled_draft_time_makes_decisions_independent_of_the_clock(monkeypatc
     runs = []
     for step in (1e-5, 1e-1):
         ticks = itertools.count()
-        monkeypatch.setattr(engine_module, "_now", lambda device, step=step, ticks=ticks: step * next(ticks))
+        clock = lambda device, step=step, ticks=ticks: step * next(ticks)  # noqa: E731
+        monkeypatch.setattr(engine_module, "device_now", clock)  # the decode's times
+        monkeypatch.setattr(live_module, "device_now", clock)  # the cycles' (the verifier's clock)
         engine = build("specfit", f"selector.draft_time={draft_time}")
         runs.append(_decisions(engine.generate(PROMPT, 32)))
     assert any(levels for _, levels, *_ in runs[0])  # it drafted

@@ -764,7 +764,7 @@ class _ChainCosts:
 
     constants = CostConstants(c0=6e-3, c_tok=0.0, c_miss=0.0, c_hit=0.0, c_level=3e-3)
 
-    def problem(self, tree, accept, resident, spent):
+    def problem(self, tree, accept, resident, spent, arriving=None):
         from specfit.search import SearchProblem
 
         n = len(tree)

@@ -241,15 +241,14 @@ class CostAwareSelector(SelectorBase):
 
     def select(self, tree: DraftTree, ctx: SelectionContext) -> Selection:
         cost_model = ctx.cost_model
-        if cost_model is None or not hasattr(cost_model, "problem"):
+        if cost_model is None:
             raise ConfigError(f"selector={self.name} needs a cost model that builds selection problems: set cost_model=union")
         spent = ctx.draft_seconds
         if self.draft_time == "modelled":
             c = cost_model.constants
             spent = c.c_draft0 + c.c_level * tree.depth
-        arriving = getattr(ctx, "arriving", None)  # experts in flight (issue 14); None: not pipelined
-        extra = {"arriving": arriving} if arriving is not None and takes_arriving(cost_model) else {}
-        problem = cost_model.problem(tree, self.accept_estimates(tree), ctx.resident, spent, **extra)
+        # ctx.arriving: experts in flight (issue 14); None: not pipelined
+        problem = cost_model.problem(tree, self.accept_estimates(tree), ctx.resident, spent, arriving=ctx.arriving)
         allowed = np.zeros(len(tree), dtype=bool)
         allowed[tree.top_by_path_prob(ctx.max_nodes)] = True
         rate = self.surplus_rate()
@@ -365,20 +364,3 @@ def _objective(rate: float | None) -> Any:
     if rate is None:
         return lambda n, t: n / t
     return lambda n, t: n - rate * t
-
-
-_TAKES_ARRIVING: dict[type, bool] = {}
-
-
-def takes_arriving(cost_model: Any) -> bool:
-    """Whether ``cost_model.problem`` accepts ``arriving=`` (a cost model written before issue 14
-    does not, and is then called as before)."""
-    kind = type(cost_model)
-    if kind not in _TAKES_ARRIVING:
-        import inspect
-
-        try:
-            _TAKES_ARRIVING[kind] = "arriving" in inspect.signature(cost_model.problem).parameters
-        except (TypeError, ValueError):
-            _TAKES_ARRIVING[kind] = False
-    return _TAKES_ARRIVING[kind]
