@@ -159,10 +159,11 @@ def test_the_scan_finds_every_way_around_specfit_interfaces(tmp_path):
 
 
 def test_importing_specfit_interfaces_imports_neither_torch_nor_numba():
-    """Its torch- and numba-heavy names (MoESpec, the search) are imported on first use."""
+    """Its numba-heavy names (the search) are imported on first use; nothing it exports needs torch."""
     code = ("import sys, specfit.interfaces as i; heavy = {'torch', 'numba', 'transformers', 'scipy'} & set(sys.modules); "
             "print(sorted(heavy)); i.SearchProblem, i.MoESpec; print('torch' in sys.modules, 'numba' in sys.modules)")
+    # MoESpec is plain data (no torch); the search is compiled with numba, imported on first use
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split() == ["[]", "True", "True"]
+    assert run.stdout.split() == ["[]", "False", "True"]

@@ -31,8 +31,8 @@ checks that the built-ins and ``docs/example-plugin`` do. What it holds, by purp
 - messages and checks: :func:`note_once` (a note printed once per process),
   :func:`check_plugin_instance` (an object's members against its kind's contract).
 
-Imported on first use, as they pull in torch (``MoESpec``, ``resolve_capacity``) or the search's
-compiled code (the search): ``import specfit.interfaces`` imports neither torch nor numba.
+Imported on first use, as they pull in the search's compiled code (numba): the search's names;
+``import specfit.interfaces`` imports neither torch nor numba.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -84,13 +84,13 @@ from specfit.messages import note_once
 from specfit.types.acceptance import AcceptanceScore, conditional, settled
 from specfit.types.context import ORDERS, ContextView, TokenContext
 from specfit.types.costs import CostConstants, fit_constants, load_constants
+from specfit.types.moe import MoESpec, resolve_capacity
 from specfit.types.tree import ROOT, DraftTree
 from specfit.validation import integer, is_count, is_int, number, optional_integer
 
 if TYPE_CHECKING:
     from specfit.search import SearchProblem, evaluate, greedy, solve, solve_surplus
     from specfit.search.synthetic import paper_scale_problem
-    from specfit.types.moe import MoESpec, resolve_capacity
 
 __all__ = [
     # the contracts
@@ -176,8 +176,6 @@ __all__ = [
 ]
 
 _LAZY = {  # name: its module, imported when a plug-in first asks for the name
-    "MoESpec": "specfit.types.moe",  # torch
-    "resolve_capacity": "specfit.types.moe",
     "SearchProblem": "specfit.search",  # numba
     "evaluate": "specfit.search",
     "greedy": "specfit.search",
@@ -188,7 +186,7 @@ _LAZY = {  # name: its module, imported when a plug-in first asks for the name
 
 
 def __getattr__(name: str) -> Any:
-    """The torch- or numba-heavy names, imported when a plug-in first asks for them."""
+    """The numba-heavy names (the search), imported when a plug-in first asks for them."""
     if name in _LAZY:
         import importlib
 
