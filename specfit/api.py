@@ -20,6 +20,7 @@ from specfit.calibrate.store import (
     stored_fit_version,
     stored_poor_fit,
 )
+from specfit.calibrate.refine import ProvisionalRefiner
 from specfit.calibrate.run import run_calibration
 from specfit.calibrate.setup_state import note_state_file_setup
 from specfit.types.link_profiles import LinkSettings
@@ -79,7 +80,7 @@ def build(cfg: DictConfig, calibration_prompts: Sequence[Any] | None = None, cal
                 raise
             raise ConfigError(f"{_workload_name(cfg)}, prompt {i + 1} of {len(check_prompts)}: {exc}") from exc
     if calibrate_now:
-        _attach_calibration(engine, calibration_prompts)
+        _attach_calibration(engine, calibration_prompts, cfg.get("calibration", "auto"))
     attach_setup_state(engine)  # the selector starts from what earlier engines of this setup learned
     note_state_file_setup(engine.selector, acceptance_setup(engine))
     return engine
@@ -260,54 +261,87 @@ def _check_prompts_are_ids(cfg: DictConfig) -> None:
                           f"(prompt_ids=[...]) or a model with a tokenizer (model.tokenizer=DIR for a checkpoint)")
 
 
-def _attach_calibration(engine: Engine, prompts: Sequence[Any] | None) -> None:
+def _attach_calibration(engine: Engine, prompts: Sequence[Any] | None, mode: str = "auto") -> None:
+    """The cost model's constants for ``engine``'s setup: a file the config names, else the setup's
+    stored calibration, else (``mode`` auto) one measured now, once, and stored, whatever its error:
+    a fit judged poor (a busy host) is marked provisional and refined by the runs that use it
+    (:mod:`specfit.calibrate.refine`). ``force`` measures again in full; ``off`` never measures. A
+    setup whose drafter never drafts needs no constants (nothing is selected) and is not measured."""
     model = engine.cost_model
     if model is None:
         return
     # the constants reach the cost model through its set_constants, the one hook that changes a part
     # after it is built (CostModel's contract)
-    source = model.calibration
-    if source not in ("auto", None) and not model.calibrated:
-        model.set_constants(load_constants(source))  # a cost model that does not load its file when bound
-    calibrated = model.calibrated
-    loaded = model.constants.source if calibrated else None
-    if source not in ("auto", None) and loaded == str(Path(source).expanduser()):
-        differs = setup_differences(source, engine)
-        if differs:  # allowed (planning with another machine's constants), but never silently
-            note_once(f"cost_model.calibration={source} was measured on another setup (its {', '.join(differs)} "
-                      f"differ from this run's); its constants are used as given")
-        return
-    if calibrated:
+    if _named_calibration(engine, model) or (model.calibrated and mode != "force"):
         return
     path = calibration_path(engine)
-    if path.is_file():
-        version = stored_fit_version(path)
-        poor = stored_poor_fit(path)
-        if (version is None or version >= FIT_VERSION) and poor is None:
-            try:
-                model.set_constants(load_constants(path))
-                return
-            except ConfigError as exc:  # damaged: named as this setup's stored file, not a key the user set
-                why = str(exc).removeprefix(f"cost_model.calibration={path}: ")
-                raise ConfigError(f"the stored calibration of this setup, {path} (cost_model.calibration=auto, under "
-                                  f"$SPECFIT_HOME), is damaged: {why}; delete it to measure again, or run "
-                                  "`specfit calibrate`") from None
-        why = (f"was fitted by an older specfit (fit version {version} < {FIT_VERSION})" if poor is None else
-               f"predicts its cycle times poorly (held-out median error {poor:.0%}: the host was busy)")
-        print(f"specfit: the stored calibration {path} {why}; measuring it again", file=sys.stderr)
-    print(f"specfit: calibrating the cost model for this setup (stored in {path})", file=sys.stderr)
-    constants, _ = calibrate(engine, prompts, path=path, store_poor=False)
+    if mode != "force" and path.is_file() and _load_stored(engine, model, path):
+        return
+    if engine.drafter.depth == 0 and mode != "force":
+        return  # no draft tree is ever selected from: the constants would go unused
+    if mode == "off":
+        raise ConfigError(f"calibration=off, and this setup has no stored calibration ({path}): run `specfit "
+                          "calibrate` (or calibration=auto measures it once), or give cost_model.c0/c_tok/c_miss/c_hit")
+    print(f"specfit: calibrating the cost model for this setup, once (stored in {path}; `specfit calibrate` or "
+          "calibration=force measures it again)", file=sys.stderr)
+    constants, _ = calibrate(engine, prompts, path=path)
     model.set_constants(constants)
+    if constants.provisional:
+        engine.add_listener(ProvisionalRefiner(engine, path))
+
+
+def _named_calibration(engine: Engine, model: Any) -> bool:
+    """A calibration file the config names (``cost_model.calibration=FILE``): loaded, and said so
+    when it was measured on another setup. False when it names none."""
+    source = model.calibration
+    if source in ("auto", None):
+        return False
+    if not model.calibrated:
+        model.set_constants(load_constants(source))  # a cost model that does not load its file when bound
+    if model.constants.source != str(Path(source).expanduser()):
+        return model.calibrated
+    differs = setup_differences(source, engine)
+    if differs:  # allowed (planning with another machine's constants), but never silently
+        note_once(f"cost_model.calibration={source} was measured on another setup (its {', '.join(differs)} "
+                  f"differ from this run's); its constants are used as given")
+    return True
+
+
+def _load_stored(engine: Engine, model: Any, path: Path) -> bool:
+    """This setup's stored calibration into ``model``; False when it is of an older fit (measured
+    again). A provisional one is used, said once, and refined from this run's cycles."""
+    version = stored_fit_version(path)
+    if version is not None and version < FIT_VERSION:
+        print(f"specfit: the stored calibration {path} was fitted by an older specfit (fit version {version} < "
+              f"{FIT_VERSION}); measuring it again", file=sys.stderr)
+        return False
+    try:
+        constants = load_constants(path)
+    except ConfigError as exc:  # damaged: named as this setup's stored file, not a key the user set
+        why = str(exc).removeprefix(f"cost_model.calibration={path}: ")
+        raise ConfigError(f"the stored calibration of this setup, {path} (cost_model.calibration=auto, under "
+                          f"$SPECFIT_HOME), is damaged: {why}; delete it to measure again, or run "
+                          "`specfit calibrate`") from None
+    poor = stored_poor_fit(path)
+    if poor is not None and not constants.provisional:  # stored before provisional fits were kept: one of them
+        constants.provisional = True
+    model.set_constants(constants)
+    if constants.provisional:
+        note_once(f"the stored calibration {path} is provisional (measured on a busy host"
+                  f"{f', held-out error {poor:.0%}' if poor is not None else ''}): used, and refined from this "
+                  "run's cycles; `specfit calibrate` on a quiet host measures it again")
+        engine.add_listener(ProvisionalRefiner(engine, path))
+    return True
 
 
 def calibrate(engine: Engine, prompts: Sequence[Any] | None = None, max_new_tokens: int = 48,
-              path: Path | None = None, seed: int = 0, store_poor: bool = True) -> tuple[Any, dict[str, Any]]:
+              path: Path | None = None, seed: int = 0, trust_poor: bool = False) -> tuple[Any, dict[str, Any]]:
     """Measure the cost constants of ``engine``'s setup on ``prompts`` and store them.
 
     Without prompts, a few seeded random token sequences are used: the constants are about time
-    per token, per expert hit and per miss, not about the text. ``store_poor=False``: constants
-    that predict the held-out cycles poorly (a busy host) are returned, with a note, but not
-    stored, so the next run measures again (the report then has no ``path``)."""
+    per token, per expert hit and per miss, not about the text. Constants that predict the held-out
+    cycles poorly (a busy host) are stored as provisional, with a note (``trust_poor``: as
+    trusted, what `specfit calibrate` asks for)."""
     path = check_calibration_destination(path or calibration_path(engine))  # before measuring
     if not prompts:
         rng = np.random.default_rng(seed)
@@ -316,13 +350,13 @@ def calibrate(engine: Engine, prompts: Sequence[Any] | None = None, max_new_toke
     constants, report = run_calibration(engine, prompts, max_new_tokens, seed)
     constants.source = str(path)
     poor = report["cycle_time_ape_median"] > POOR_FIT
-    if poor and not store_poor:
+    if poor and not trust_poor:
+        constants.provisional = report["provisional"] = True
         note_once(f"this calibration predicts its held-out cycle times poorly (median error "
-                  f"{report['cycle_time_ape_median']:.0%}): the host was probably busy. Its constants serve this "
-                  f"run only and are not stored; `specfit calibrate` on a quiet host stores them")
-        return constants, report
-    if poor:
-        report["kept_despite_error"] = True  # asked for (specfit calibrate): automatic runs keep it too
+                  f"{report['cycle_time_ape_median']:.0%}): the host was probably busy. It is stored as provisional: "
+                  f"runs use it and refine it from their own cycles; `specfit calibrate` on a quiet host measures again")
+    elif poor:
+        report["kept_despite_error"] = True  # asked for (specfit calibrate): trusted as measured
     report["path"] = str(save_constants(path, constants, engine, report))
     return constants, report
 

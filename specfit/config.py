@@ -37,6 +37,7 @@ from specfit.messages import one_line_config_error
 from specfit.model.config import ModelConfig
 
 CONFIG_MODULE = "specfit.conf"
+CALIBRATION_MODES = ("auto", "off", "force")
 
 
 # --------------------------------------------------------------------------- plain groups
@@ -128,6 +129,10 @@ class SpecfitConfig:
     baseline: str = "ar"  # speedups are relative to this method (and to eagle3_nocache when present)
     trace: TraceConfig = field(default_factory=TraceConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    # the cost model's calibration for this setup: auto (the stored one; measured once, the first
+    # time a setup that drafts needs one) | off (the stored one or none: never measures) | force
+    # (measure it again now, in full, and store it)
+    calibration: str = "auto"
     verbose: bool = False  # errors with their full traceback (as HYDRA_FULL_ERROR=1 does), not one line
 
 
@@ -383,9 +388,10 @@ def _check_values(cfg: DictConfig) -> None:
     from specfit.decode.sampling import SamplingParams
     from specfit.model.numerics import check_numerics
     from specfit.offload.compute.factory import check_expert_compute
-    from specfit.validation import integer, token_ids
+    from specfit.validation import choice, integer, token_ids
 
     integer("max_new_tokens", cfg.max_new_tokens, minimum=1)
+    choice("calibration", cfg.calibration, CALIBRATION_MODES)
     integer("repeats", cfg.repeats, minimum=1)
     integer("warmup", cfg.warmup, minimum=0)
     if not str(cfg.results_file or "").strip():

@@ -83,7 +83,7 @@ class StateKeeper:
             found = True
         return found
 
-    def cycle_ended(self) -> None:
+    def cycle_ended(self, record: Any = None) -> None:
         """A cycle finished: there is something to save (at the end of the decode)."""
         self.dirty = True
 

@@ -26,7 +26,7 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
     source = cfg.cost_model.get("calibration", "auto")
     path = None if source in ("auto", None) else check_writable(source, "cost_model.calibration")
     engine = build(cfg, calibrate_now=False)
-    constants, report = calibrate(engine, prompts, max_new_tokens=cfg.max_new_tokens, path=path)
+    constants, report = calibrate(engine, prompts, max_new_tokens=cfg.max_new_tokens, path=path, trust_poor=True)
     engine.cost_model.set_constants(constants)
     c = constants
     print(f"c0={c.c0 * 1e3:.3f}ms c_tok={c.c_tok * 1e3:.3f}ms c_miss={c.c_miss * 1e3:.3f}ms c_hit={c.c_hit * 1e3:.3f}ms "

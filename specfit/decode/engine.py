@@ -66,8 +66,8 @@ def check_given_parts(**parts: Any) -> None:
 class DecodeListener(Protocol):
     """Told of the engine's progress; never changes a part or the output."""
 
-    def cycle_ended(self) -> None:
-        """A cycle committed its tokens."""
+    def cycle_ended(self, record: CycleRecord) -> None:
+        """A cycle committed its tokens (``record``: what it measured)."""
 
     def decode_ended(self) -> None:
         """A decode ended (called outside its timed span)."""
@@ -300,7 +300,7 @@ class EngineCore:
             out.extend(tokens)
             stats.cycles.append(record)
             for listener in self.listeners:
-                listener.cycle_ended()
+                listener.cycle_ended(record)
 
     def _prefetch_counters(self) -> dict[str, int]:
         """The prefetcher's ``counters()`` (none without one), checked: names to integers."""

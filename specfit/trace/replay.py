@@ -496,7 +496,8 @@ def _constants(cost_model: Any, trace: Trace) -> CostConstants:
         if source not in ("auto", None):
             guard.call("cost_model", cost_model, "set_constants", load_constants(source))
         elif trace.meta.constants:
-            guard.call("cost_model", cost_model, "set_constants", CostConstants.from_json(trace.meta.constants))
+            recorded = {**trace.meta.constants, "provisional": False}  # a replay's costs are fixed: never refined
+            guard.call("cost_model", cost_model, "set_constants", CostConstants.from_json(recorded))
     try:
         constants = cost_model.constants
     except ConfigError as exc:

@@ -47,6 +47,9 @@ class CostConstants:
     c_draft0: float = 0.0  # seconds of drafting before the first level (catching up on committed tokens)
     samples: int = 0
     source: str = ""
+    # measured on a host too busy to trust (held-out error above POOR_FIT): used, refined from the
+    # cycles of the runs that use it (a cost model refits online), and re-measured by `specfit calibrate`
+    provisional: bool = False
 
     def cycle_seconds(self, verified: int, misses: int, hits: int, draft_seconds: float) -> float:
         return self.c0 + self.c_tok * (verified + 1) + self.c_miss * misses + self.c_hit * hits + draft_seconds
@@ -167,7 +170,7 @@ def load_constants(path: str | Path) -> CostConstants:
     if not isinstance(stored, dict):
         raise ConfigError(f"{where}: no \"constants\" object; not a specfit calibration file")
     for name, field in CostConstants.__dataclass_fields__.items():
-        if name in ("samples", "source"):
+        if name in ("samples", "source", "provisional"):
             continue
         if name not in stored:
             if field.default is MISSING:
@@ -180,4 +183,5 @@ def load_constants(path: str | Path) -> CostConstants:
     if isinstance(constants.samples, bool) or not isinstance(constants.samples, int):
         constants.samples = 0  # informative only: a bad count is not worth refusing the file for
     constants.source = str(path)
+    constants.provisional = constants.provisional is True  # informative: anything else counts as trusted
     return constants

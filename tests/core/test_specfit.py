@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import random
@@ -224,14 +225,17 @@ def test_a_few_cycles_slowed_by_a_busy_host_do_not_move_the_constants():
     assert np.max(np.abs(plain / [truth.c0, truth.c_tok, truth.c_hit] - 1)) > 0.5
 
 
-def test_a_calibration_that_predicts_poorly_is_not_stored_and_a_stored_one_is_measured_again(tmp_path, monkeypatch,
-                                                                                            capsys):
-    """A held-out median error above POOR_FIT (a busy host) is not trusted: an automatic calibration
-    serves its run only, a stored one is measured again; `specfit calibrate`'s is kept as asked."""
+CALIBRATED = ["model=tiny", "drafter=eagle3", "drafter.top_k=3", "drafter.depth=2", "drafter.total_tokens=6",
+              "selector=specfit", "cost_model=union", "predictor=history", "cache.capacity=4", "max_new_tokens=8"]
+
+
+def test_a_calibration_measured_under_load_is_stored_provisional_and_never_measured_twice(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """A held-out median error above POOR_FIT (a busy host): stored, marked provisional, said in one
+    line; the next engine of the setup uses it (said once) and refines it, without measuring again."""
     from specfit.calibrate import run as calibration
+    from specfit.calibrate.refine import ProvisionalRefiner
     monkeypatch.setenv("SPECFIT_HOME", str(tmp_path))
-    overrides = ["model=tiny", "drafter=eagle3", "drafter.top_k=3", "drafter.depth=2", "drafter.total_tokens=6",
-                 "selector=specfit", "cost_model=union", "predictor=history", "cache.capacity=4", "max_new_tokens=8"]
     measure = calibration.run_calibration
 
     def busy(*args, **kwargs):
@@ -239,23 +243,96 @@ def test_a_calibration_that_predicts_poorly_is_not_stored_and_a_stored_one_is_me
         return constants, {**report, "cycle_time_ape_median": 2.9}
 
     monkeypatch.setattr("specfit.api.run_calibration", busy)
-    engine = specfit.build(specfit.compose(overrides))
-    assert "predicts its held-out cycle times poorly (median error 290%)" in capsys.readouterr().err
-    assert engine.cost_model.calibrated and not list(tmp_path.glob("calibration/*.json"))
+    engine = specfit.build(specfit.compose(CALIBRATED))
+    err = capsys.readouterr().err
+    assert "predicts its held-out cycle times poorly (median error 290%)" in err and "stored as provisional" in err
+    (path,) = tmp_path.glob("calibration/*.json")
+    assert json.loads(path.read_text())["constants"]["provisional"] is True
+    assert engine.cost_model.constants.provisional
+    assert any(isinstance(listener, ProvisionalRefiner) for listener in engine.listeners)
+
+    def never(*args, **kwargs):
+        raise AssertionError("measured a second time")
+
+    monkeypatch.setattr("specfit.api.run_calibration", never)
+    again = specfit.build(specfit.compose(CALIBRATED))
+    assert "is provisional (measured on a busy host, held-out error 290%)" in capsys.readouterr().err
+    assert again.cost_model.constants.provisional
+    assert again.generate([5, 17, 99], max_new_tokens=4).token_ids  # decodes with it
     monkeypatch.setattr("specfit.api.run_calibration", measure)
-    specfit.build(specfit.compose(overrides))  # a quiet host: stored
+    forced = specfit.build(specfit.compose([*CALIBRATED, "calibration=force"]))  # measured again, in full
+    assert "calibrating the cost model for this setup" in capsys.readouterr().err
+    assert not forced.cost_model.constants.provisional
+    assert json.loads(path.read_text())["constants"]["provisional"] is False
+
+
+def test_a_poor_fit_stored_by_an_earlier_version_is_provisional_not_measured_again(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECFIT_HOME", str(tmp_path))
+    specfit.build(specfit.compose(CALIBRATED))
     (path,) = tmp_path.glob("calibration/*.json")
     data = json.loads(path.read_text())
-    data["report"]["cycle_time_ape_median"] = 2.9  # as a calibration stored under load before this check
+    data["report"]["cycle_time_ape_median"] = 2.9  # as a calibration stored under load before provisional fits
+    data["constants"].pop("provisional")
     data["constants"]["c0"] = 0.137
     path.write_text(json.dumps(data))
     capsys.readouterr()
-    again = specfit.build(specfit.compose(overrides))
-    assert "predicts its cycle times poorly (held-out median error 290%" in capsys.readouterr().err
-    assert again.cost_model.constants.c0 != 0.137
-    data["report"]["kept_despite_error"] = True  # what `specfit calibrate` stores: used as it is
+    engine = specfit.build(specfit.compose(CALIBRATED))
+    assert "is provisional" in capsys.readouterr().err
+    assert engine.cost_model.constants.c0 == 0.137 and engine.cost_model.constants.provisional
+    data["report"]["kept_despite_error"] = True  # what `specfit calibrate` stores: trusted as it is
     path.write_text(json.dumps(data))
-    assert specfit.build(specfit.compose(overrides)).cost_model.constants.c0 == 0.137
+    trusted = specfit.build(specfit.compose(CALIBRATED)).cost_model.constants
+    assert trusted.c0 == 0.137 and not trusted.provisional
+
+
+def test_calibration_off_never_measures_and_a_setup_that_cannot_draft_never_calibrates(tmp_path, monkeypatch,
+                                                                                        capsys):
+    monkeypatch.setenv("SPECFIT_HOME", str(tmp_path))
+    with pytest.raises(ConfigError, match="calibration=off, and this setup has no stored calibration"):
+        specfit.build(specfit.compose([*CALIBRATED, "calibration=off"]))
+    no_drafts = [o for o in CALIBRATED if not o.startswith("drafter")] + ["drafter=none"]
+    plain = specfit.build(specfit.compose(no_drafts))  # no tree is ever selected from
+    assert "calibrating" not in capsys.readouterr().err and not list(tmp_path.glob("calibration/*.json"))
+    assert plain.generate([5, 17, 99], max_new_tokens=3).token_ids
+    specfit.build(specfit.compose(CALIBRATED))  # auto: measured once
+    assert specfit.build(specfit.compose([*CALIBRATED, "calibration=off"])).cost_model.calibrated  # off: the stored one
+    with pytest.raises(ConfigError, match="calibration='sometimes'"):
+        specfit.compose([*CALIBRATED, "calibration=sometimes"])
+
+
+class _Refined:
+    """What the refiner reads of an engine: its cost model's constants (set through set_constants)."""
+
+    def __init__(self, constants):
+        self.cost_model = UnionCostModel(constants=constants)
+        self.listeners = []
+
+
+def test_the_refiner_stores_what_the_runs_refined_and_trusts_it_once_it_predicts_them(tmp_path, monkeypatch):
+    from specfit.calibrate import refine
+
+    monkeypatch.setattr(refine, "save_constants", lambda path, c, engine, report: path.write_text(
+        json.dumps({"constants": c.to_json(), "report": report})))
+    records = measured_cycles(np.random.default_rng(3))
+    off = dataclasses.replace(TRUTH, c0=TRUTH.c0 * 20, provisional=True, source="online")
+    engine = _Refined(off)
+    refiner = refine.ProvisionalRefiner(engine, tmp_path / "c.json")
+    for r in records:
+        refiner.cycle_ended(r)
+    refiner.decode_ended()
+    stored = json.loads((tmp_path / "c.json").read_text())
+    assert stored["constants"]["provisional"] is True and stored["report"]["refined_from_cycles"] == len(records)
+    good = dataclasses.replace(TRUTH, provisional=True, source="online")  # refined to the truth
+    engine = _Refined(good)
+    refiner = refine.ProvisionalRefiner(engine, tmp_path / "c.json")
+    for r in records:
+        refiner.cycle_ended(r)
+    refiner.decode_ended()
+    stored = json.loads((tmp_path / "c.json").read_text())
+    assert stored["constants"]["provisional"] is False and not engine.cost_model.constants.provisional
+    (tmp_path / "c.json").unlink()
+    refiner.decode_ended()  # trusted now: nothing more to store
+    assert not (tmp_path / "c.json").exists()
 
 
 def test_calibrate_command_prints_error_and_path(tmp_path, monkeypatch, capsys):

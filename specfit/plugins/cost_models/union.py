@@ -41,7 +41,7 @@ class UnionCostModelConfig(CostModelConfig):
     name: str = "union"
     cache_aware: bool = True
     calibration: str = "auto"  # auto: the stored calibration of this setup (made on first use) | a file path
-    online: bool = False  # refit the constants from the last cycles as decoding goes
+    online: bool = False  # refit the constants from the last cycles as decoding goes (provisional ones always are)
     # explicit constants (seconds) override the calibrated ones
     c0: float | None = None
     c_tok: float | None = None
@@ -170,7 +170,8 @@ class UnionCostModel(CostModelBase):
         return evaluate(problem, mask)[1]
 
     def observe(self, record: Any) -> None:
-        """Online refit (``online=true``): re-estimate only what the recent cycles identify.
+        """Online refit (``online=true``, and always while the constants are provisional): re-estimate
+        only what the recent cycles identify.
 
         A window of similar cycles cannot separate c0, c_tok and c_hit, and one without misses says
         nothing about copies; refitting those from it would make copies look free and the
@@ -179,8 +180,8 @@ class UnionCostModel(CostModelBase):
         costs are kept from the calibration. A cycle whose copies overlapped other work (prefetch,
         ``record.copies_overlap``) is fitted by the stall it measured, as the calibration does.
         """
-        if not self.online:
-            return
+        if not (self.online or self._constants is not None and self._constants.provisional):
+            return  # refits online when asked, and always while its constants are provisional
         self._recent.append(record)
         self._seen += 1
         if self._seen % self.refit_every or len(self._recent) < 8:
@@ -194,7 +195,8 @@ class UnionCostModel(CostModelBase):
         c0, c_tok, c_hit = (fitted.c0, fitted.c_tok, fitted.c_hit) if varied else (old.c0, old.c_tok, old.c_hit)
         c_copy = (fitted.c_miss - fitted.c_hit) if enough_misses else (old.c_miss - old.c_hit)
         self._constants = CostConstants(c0=c0, c_tok=c_tok, c_miss=c_hit + c_copy, c_hit=c_hit, c_level=old.c_level,
-                                        c_draft0=old.c_draft0, samples=len(window), source="online")
+                                        c_draft0=old.c_draft0, samples=len(window), source="online",
+                                        provisional=old.provisional)
 
 
 def arrival_waits(c: CostConstants, resident: np.ndarray, arriving: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
