@@ -6,6 +6,8 @@ Programmatic use::
     cfg = specfit.compose(["model.path=/models/m", "drafter=none", "cache=lru", "cache.capacity=16"])
     engine = specfit.build(cfg)
     out = engine.generate([1, 2, 3], max_new_tokens=32)
+    for event in engine.stream("Once upon a time", sampling=specfit.SamplingParams(temperature=0.7, seed=1)):
+        print(event.text, end="", flush=True)
 
 A plug-in package imports from :mod:`specfit.interfaces`; its tests may use this root as well:
 :func:`register_plugin` loads it uninstalled, :func:`build_builtin` gives a built-in tiny model to
@@ -21,20 +23,22 @@ from specfit.version import __version__  # noqa: E402
 from specfit.interfaces.hookspecs import hookimpl  # noqa: E402  (light: pluggy only)
 
 if TYPE_CHECKING:
-    from specfit.api import build
+    from specfit.api import Engine, build
     from specfit.config import compose
-    from specfit.api import Engine
-    from specfit.decode.engine import GenerationOutput
+    from specfit.decode.output import GenerationOutput, StreamEvent
+    from specfit.decode.sampling import SamplingParams
     from specfit.model.builtin import build_builtin
 
-__all__ = ["Engine", "GenerationOutput", "build", "build_builtin", "compose", "hookimpl", "register_plugin",
-           "__version__"]
+__all__ = ["Engine", "GenerationOutput", "SamplingParams", "StreamEvent", "build", "build_builtin", "compose",
+           "hookimpl", "register_plugin", "__version__"]
 
 _LAZY = {
     "build": ("specfit.api", "build"),
     "compose": ("specfit.config", "compose"),
     "Engine": ("specfit.api", "Engine"),
-    "GenerationOutput": ("specfit.decode.engine", "GenerationOutput"),
+    "GenerationOutput": ("specfit.decode.output", "GenerationOutput"),
+    "StreamEvent": ("specfit.decode.output", "StreamEvent"),
+    "SamplingParams": ("specfit.decode.sampling", "SamplingParams"),  # greedy, or temperature / top-k / top-p
     "build_builtin": ("specfit.model.builtin", "build_builtin"),  # a tiny model with seeded weights (tests)
 }
 

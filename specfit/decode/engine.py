@@ -9,8 +9,9 @@ next token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from dataclasses import dataclass
+import time
+from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from specfit.decode.limits import context_limit, eos_ids, native_context
 from specfit.decode.live import LiveVerifier, device_now
 from specfit.decode.restore import dense_placement, forward_hooks, restore_dense_placement, restore_forward_hooks
 from specfit.decode.sampling import Sampler, SamplingParams
+from specfit.decode.output import GenerationOutput, IncrementalDetokenizer, StreamEvent, memory_info
 from specfit.errors import ConfigError
 from specfit.interfaces import CostModel, Drafter, ExpertCache, ExpertPredictor, Prefetcher, Selector, guard
 from specfit.interfaces.contracts import check_parts
@@ -38,17 +40,6 @@ from specfit.types.stats import RUNTIME_PREFETCH_COUNTS, CycleRecord, RunStats
 from specfit.validation import device_arg, integer, is_collection, token_ids
 
 
-@dataclass
-class GenerationOutput:
-    token_ids: list[int]  # generated tokens (the prompt excluded)
-    text: str | None  # decoded text, when the model has a tokenizer
-    stats: dict[str, Any]  # the results.jsonl keys
-    prompt_ids: list[int] = field(default_factory=list)
-    cycles: list[CycleRecord] = field(default_factory=list)
-    # "stop": a stop token ended it; "length": max_new_tokens or the context limit did (as vLLM reports it)
-    finish_reason: str = "length"
-
-
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -61,6 +52,13 @@ def check_given_parts(**parts: Any) -> None:
         raise ConfigError(f"EngineCore needs a {', '.join(missing)}: give one, or use specfit.Engine, "
                           "which fills the registered defaults")
     check_parts(parts)
+
+
+@dataclass
+class _OpenDecode:
+    """The decode a stream runs, so that starting another can cancel it."""
+
+    events: Iterator[StreamEvent] | None = None
 
 
 class DecodeListener(Protocol):
@@ -176,6 +174,7 @@ class EngineCore:
         # stall, not the issued copies
         self.copies_overlap = prefetcher is not None and prefetcher.name != "none" and waits_measured(self.copy_engine)
         self.listeners: list[DecodeListener] = []
+        self._open: _OpenDecode | None = None  # the stream being decoded, if one is
         self.stall_measured = waits_measured(self.copy_engine)  # its waits are the host's
 
     def _describe(self, model: nn.Module, numerics: str) -> dict[str, Any]:
@@ -212,36 +211,93 @@ class EngineCore:
         observers: Sequence[CycleObserver] = (),
         accept_limit: int | None = None,
     ) -> GenerationOutput:
-        """Decode from ``prompt`` (text needs a tokenizer; token ids always work).
+        """Decode from ``prompt`` (text needs a tokenizer; token ids always work): one prompt; a
+        list of prompts is refused (decode each in turn).
 
         Trace recording and calibration decode with their own settings, passed here rather than
         set on the engine: ``selector`` replaces the engine's for this call (already bound to
         ``engine.spec``), ``predict=False`` runs without the predictor, ``observers`` see every
         cycle, and ``accept_limit`` commits at most that many draft tokens per cycle (greedy only).
         """
+        for event in self.stream(prompt, max_new_tokens, sampling, selector=selector, predict=predict,
+                                 observers=observers, accept_limit=accept_limit):
+            pass
+        return event.output
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int | None = None,
+        sampling: SamplingParams | None = None,
+        *,
+        selector: Selector | None = None,
+        predict: bool = True,
+        observers: Sequence[CycleObserver] = (),
+        accept_limit: int | None = None,
+    ) -> Iterator[StreamEvent]:
+        """:meth:`generate`, yielding as tokens are committed: the first token after the prefill,
+        then each cycle's tokens (several at once where a cycle accepted a draft) and the text they
+        add; the last event holds ``finish_reason`` and ``output``, what ``generate`` returns.
+
+        The arguments are checked now, before anything is decoded. Closing the iterator early (or
+        dropping it) cancels the decode at that cycle boundary: copies in flight are settled and
+        the engine is ready for the next prompt, as after a finished one. One decode runs at a
+        time: starting another cancels one still open."""
         ids = self.check_prompt(prompt)
         limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         self._check_generate_args(limit, sampling, observers, accept_limit)
+        if self._open is not None:
+            self._open.events.close()  # an earlier stream left open: cancelled here, not interleaved
         cycle = self._cycle(selector, predict, observers, accept_limit)
-        sampler = Sampler(sampling or self.sampling)
+        self._open = decode = _OpenDecode()
+        decode.events = self._events(ids, limit, cycle, Sampler(sampling or self.sampling), decode)
+        return decode.events
+
+    def _events(self, ids: list[int], limit: int, cycle: Cycle, sampler: Sampler,
+                decode: _OpenDecode) -> Iterator[StreamEvent]:
+        """The decode itself (see :meth:`stream`); the caller's time between events (host clock:
+        no device sync for it) is left out of the decode's measured seconds."""
         stats = RunStats(prompt_tokens=len(ids), info=dict(self.info))
         counted = self._prefetch_counters()
-        with torch.inference_mode():
-            self.runtime.settle_copies()  # a decode an error cut short left some: counted before this one
-            start = device_now(self.device)
-            out, decode_start = self._prefill(ids, cycle, sampler, stats, start)
-            self._decode(ids, out, limit, cycle, sampler, stats)
-            stats.total_seconds = device_now(self.device) - start
-            self.runtime.settle_copies()  # copies never waited for: their own time, not their enqueue time
-            stats.cache = self.runtime.stats.since(decode_start)
-        for listener in self.listeners:  # e.g. what the selector learned is saved between decodes, not tokens
-            listener.decode_ended()
+        text = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        away = 0.0  # seconds the caller held the stream between events
+        try:
+            with torch.inference_mode():
+                self.runtime.settle_copies()  # a decode an error cut short left some: counted before this one
+                start = device_now(self.device)
+                out, decode_start = self._prefill(ids, cycle, sampler, stats, start)
+            paused = time.perf_counter()
+            yield StreamEvent(list(out), text.add(out) if text else None)
+            away += time.perf_counter() - paused
+            for tokens in self._decode(ids, out, limit, cycle, sampler, stats):
+                paused = time.perf_counter()
+                yield StreamEvent(tokens, text.add(out) if text else None)
+                away += time.perf_counter() - paused
+            with torch.inference_mode():
+                stats.total_seconds = device_now(self.device) - start - away
+                self.runtime.settle_copies()  # copies never waited for: their own time, not their enqueue time
+                stats.cache = self.runtime.stats.since(decode_start)
+        except GeneratorExit:  # closed early: cancelled at this cycle boundary, nothing left in flight
+            with torch.inference_mode():
+                self.runtime.settle_copies()
+            self._decode_ended()
+            raise
+        finally:
+            if self._open is decode:
+                self._open = None
+        self._decode_ended()
         stats.output_tokens = len(out)
         stats.finish_reason = "stop" if out[-1] in self.stop_token_ids else "length"
         stats.prefetch_counters = {k: v - counted.get(k, 0) for k, v in self._prefetch_counters().items()}
-        text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else None
-        return GenerationOutput(out, text, stats.summary(), prompt_ids=ids, cycles=stats.cycles,
-                                finish_reason=stats.finish_reason)
+        full = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else None
+        output = GenerationOutput(out, full, stats.summary(), prompt_ids=ids, cycles=stats.cycles,
+                                  finish_reason=stats.finish_reason)
+        yield StreamEvent([], text.rest(out) if text else None, stats.finish_reason, output)
+
+    def _decode_ended(self) -> None:
+        """Outside the decode's timed span: e.g. what the selector learned is saved between decodes."""
+        for listener in self.listeners:
+            listener.decode_ended()
 
     def _check_generate_args(self, limit: int, sampling: SamplingParams | None, observers: Sequence[CycleObserver],
                              accept_limit: int | None) -> None:
@@ -286,21 +342,23 @@ class EngineCore:
         return [first], decode_start
 
     def _decode(self, ids: list[int], out: list[int], limit: int, cycle: Cycle, sampler: Sampler,
-                stats: RunStats) -> None:
+                stats: RunStats) -> Iterator[list[int]]:
         """Cycles until a stop token, ``limit`` new tokens or the context limit; ``out`` grows by
-        each cycle's tokens, ``stats`` by its record."""
+        each cycle's tokens, ``stats`` by its record; yields each cycle's tokens."""
         while out[-1] not in self.stop_token_ids:
             context_room = self._context_room(len(ids) + len(out))
             room = limit - len(out) if context_room is None else min(limit - len(out), context_room)
             if room <= 0:
                 break
             sampler.position = len(out)  # the output index of the first token this cycle decides
-            record, tokens = cycle.run(out[-1], sampler, self.drafter.depth, self.drafter.total_tokens,
-                                       room=context_room, max_commit=room)
+            with torch.inference_mode():
+                record, tokens = cycle.run(out[-1], sampler, self.drafter.depth, self.drafter.total_tokens,
+                                           room=context_room, max_commit=room)
             out.extend(tokens)
             stats.cycles.append(record)
             for listener in self.listeners:
                 listener.cycle_ended(record)
+            yield list(tokens)
 
     def _prefetch_counters(self) -> dict[str, int]:
         """The prefetcher's ``counters()`` (none without one), checked: names to integers."""
@@ -346,6 +404,10 @@ class EngineCore:
         return None if self.max_model_len is None else self.max_model_len - sequence_tokens
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, (str, list, tuple)) for p in prompt):
+            raise ConfigError(f"prompt is a list of {len(prompt)} prompts: an engine decodes one prompt at a time "
+                              "(offloaded experts are served at batch size 1); call generate (or stream) once per "
+                              "prompt, or run `specfit bench` over a workload")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ConfigError("this model has no tokenizer: give the prompt as token ids (prompt_ids=[...])")
@@ -356,13 +418,3 @@ class EngineCore:
         return token_ids("prompt", prompt, self.model.config.vocab_size, allow_empty=False)
 
 
-def memory_info(runtime: OffloadRuntime, model: nn.Module) -> dict[str, int]:
-    """Where the weights live: the experts' host store (shared: one copy for several engines, counted
-    once however many report it), the device slot pool, and the dense rest."""
-    dense = {id(t): t for t in (*model.parameters(), *model.buffers()) if not t.is_meta}  # tied weights once
-    return {
-        "expert_host_bytes": runtime.store.nbytes,
-        "expert_store_shared": bool(runtime.store.shared),  # one host copy read by several engines (the bench)
-        "expert_device_bytes": runtime.device_bytes,
-        "dense_device_bytes": sum(t.numel() * t.element_size() for t in dense.values()),
-    }

@@ -17,6 +17,10 @@ from specfit.validation import integer, number
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How the target's next tokens are drawn: greedy (``temperature=0``, the default), else from
+    the distribution at ``temperature``, then top-k, then top-p (as in HF), reproducibly from
+    ``seed``. Speculative decoding keeps exactly this distribution (the acceptance rule)."""
+
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0
