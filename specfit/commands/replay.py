@@ -132,6 +132,33 @@ def check_replay_overrides(overrides: list[str]) -> None:
                               f"drafter=none (plain decoding) applies; record a trace with it (specfit record {o})")
 
 
+def check_replayable(trace: Trace, cfg: DictConfig, name: str, method: DictConfig) -> None:
+    """A method replays the trace's own trees (or none: plain decoding), so a method that drafts with
+    another drafter, or asks for other draft settings, is refused with one line naming both: its
+    figures would be the trace's drafter's, under its name."""
+    if not cfg.get("methods"):
+        return  # one method, labelled by its selector: the base config's drafter only marks that it speculates
+    recorded = trace.meta.drafter
+    drafter = method.get("drafter")
+    own = "none" if drafter is None else str(drafter.name)
+    if own not in ("none", recorded.get("name")):
+        raise ConfigError(f"method {name} drafts with drafter={own}, but the trace {cfg.trace.path} holds the trees of "
+                          f"drafter={recorded.get('name')}: a replay cannot draft, so its figures would be "
+                          f"{recorded.get('name')}'s; record a trace with drafter={own} (specfit record drafter={own} "
+                          "...) and replay that")
+    for o in [str(o) for o in (cfg.method_presets.get(name) or [])]:
+        key, _, value = o.lstrip("+").partition("=")
+        if not key.startswith("drafter."):
+            continue
+        setting = key.split(".", 1)[1]
+        if setting in recorded and str(recorded[setting]) == value.strip():
+            continue  # what the trace was drafted with: nothing differs
+        held = f"{setting}={recorded[setting]}" if setting in recorded else f"the settings {sorted(recorded)}"
+        raise ConfigError(f"method {name} sets {key}={value.strip()}, but the trace {cfg.trace.path} was drafted with "
+                          f"{held} (drafter={recorded.get('name')}): a replay replays the recorded trees; record a "
+                          f"trace with {key}={value.strip()}")
+
+
 def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[str, Any]]:
     if not cfg.trace.path:
         raise ConfigError("set trace.path=DIR: a trace written by `specfit record`")
@@ -157,7 +184,10 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
 
     start = time.perf_counter()
     runs: list[_Run] = []
-    for name, c in method_configs(cfg, overrides):
+    methods = method_configs(cfg, overrides)
+    for name, c in methods:  # every method first: none replays another drafter's trees under its name
+        check_replayable(trace, cfg, name, c)
+    for name, c in methods:
         config = OmegaConf.to_container(c, resolve=True)
         result = replay_config(trace, c, name, model, draft_time, warmup=warmup)
         runs.append(_Run(name, c, config, _setup(config), result))

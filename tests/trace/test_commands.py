@@ -69,6 +69,24 @@ def test_replay_prints_the_table_against_the_oracle(trace_dir, tmp_path, capsys)
     assert rows["specfit"]["predictor"] == "history" and "predictor_recall" in rows["specfit"]
 
 
+def test_replay_never_relabels_another_drafters_trees(trace_dir, tmp_path, capsys):
+    """The trace holds EAGLE-3's trees: a method that drafts with ngram, or asks for other draft
+    settings, is refused naming both, before anything is replayed."""
+    for run, (methods, needle) in enumerate((("[ar,ngram]", "method ngram drafts with drafter=ngram, but the trace"),
+                                             ("[ar,deeper]", "method deeper sets drafter.depth=5, but the trace"))):
+        with pytest.raises(SystemExit) as info:
+            main(["replay", f"trace.path={trace_dir}", f"methods={methods}", *COSTS,
+                  '+method_presets.deeper=["drafter=eagle3","drafter.depth=5","selector=eagle3"]',
+                  f"hydra.run.dir={tmp_path / str(run)}"])
+        err = capsys.readouterr().err.strip()
+        assert info.value.code == 2 and "\n" not in err and needle in err, err
+        assert "holds the trees of drafter=eagle3" in err or "was drafted with depth=3" in err
+        assert not (tmp_path / str(run) / "results.jsonl").exists()
+    main(["replay", f"trace.path={trace_dir}", "methods=[ar,same]", *COSTS, "cache.capacity=4",
+          '+method_presets.same=["drafter=eagle3","drafter.depth=3","selector=eagle3"]', f"hydra.run.dir={tmp_path / 'ok'}"])
+    assert "same" in capsys.readouterr().out  # the settings it was recorded with replay
+
+
 def test_replay_single_method_with_oracle_predictor(trace_dir, tmp_path, capsys):
     main(["replay", f"trace.path={trace_dir}", "selector=specfit", "selector.draft_gate=false", "predictor=oracle",
           "cache=none", *COSTS,
