@@ -123,9 +123,10 @@ class SpecfitConfig:
     method_presets: dict[str, list[str]] = field(default_factory=dict)
     workloads: list[str] = field(default_factory=list)
     repeats: int = 1
-    # untimed decodes of the first prompt by each engine before the timed runs: a GPU's kernel
-    # compilation and autotuning are not timed (the engines learn from them as from any decode)
-    warmup: int = 0
+    # untimed decodes of the first prompt by each engine before the timed runs, so that no method
+    # pays one-time costs (compiling the search, a GPU's kernels and autotuning, first-touch of
+    # memory) in another's place; the engines learn from them as from any decode. 0: none
+    warmup: int = 1
     baseline: str = "ar"  # speedups are relative to this method (and to eagle3_nocache when present)
     trace: TraceConfig = field(default_factory=TraceConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)

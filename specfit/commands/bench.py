@@ -41,6 +41,20 @@ from specfit.registry import get_plugins
 from specfit.results import append_jsonl, comparison_table, mean_stats, paired_fields, run_config, spec_bench_answers
 
 
+# What `specfit demo` means on a CPU, printed under its table.
+CPU_DEMO_NOTE = """\
+What this means: on this CPU a draft level of the demo head costs about as much as a target pass, so
+drafting rarely pays and speculative methods run near autoregressive speed (SpecFit's draft gate
+stops drafting where it loses; vanilla EAGLE-3 drafts every cycle and pays for it). On a GPU running
+Qwen3-30B-A3B with offloaded experts a level costs a fraction of a millisecond and a pass is dominated
+by expert transfers: there the question is which subtree is worth its experts' copies. To see that,
+record a trace and replay it under a GPU cost profile (MODELLED, not measured):
+  specfit record model=demo drafter=eagle3 workload=jsonl 'workload.path=${specfit.asset:demo/prompts.jsonl}' \\
+      trace.path=traces/demo
+  specfit replay trace.path=traces/demo methods=[ar,eagle3,specfit] replay.cost_profile=qwen3-30b-a3b-24gb-pcie4
+Measured and modelled figures, with their commands: docs/results.md."""
+
+
 def _config_name() -> str:
     return HydraConfig.get().job.config_name if HydraConfig.initialized() else "bench"
 
@@ -482,6 +496,11 @@ def run(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> list[dict[st
     append_jsonl(output_dir / "summary.jsonl", summaries)
     if any(r.get("h2d_emulated") for r in summaries):
         print("H2D times are EMULATED (cache.copy=emulated): each copy is charged the reference link's time.")
+    if _config_name() == "demo":
+        import torch
+
+        if cfg.model.device == "cpu" or not torch.cuda.is_available():
+            print(CPU_DEMO_NOTE)
     print(f"results: {results}")
     if answers_dir is not None:
         print(f"answers (Spec-Bench format, one file per method): {answers_dir}")
