@@ -278,10 +278,12 @@ def _plots(summary: Sequence[dict[str, Any]], out: Path) -> list[str]:
     ax.legend(fontsize=7)
     names.append(_save(fig, out, "throughput.png"))
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for s in summary:
-        ax.scatter(s.get("verified_nodes_per_cycle", 0), s.get("spec_decode_acceptance_length", 0))
-        ax.annotate(f"{s['method']} / {s['workload']}", (s.get("verified_nodes_per_cycle", 0), s.get("spec_decode_acceptance_length", 0)), fontsize=6)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (x, y), names_here in _coinciding(summary, "verified_nodes_per_cycle", "spec_decode_acceptance_length"):
+        ax.scatter(x, y, color="tab:blue")
+        ax.annotate("\n".join(names_here), (x, y), xytext=(6, 0), textcoords="offset points", fontsize=6,
+                    va="center")  # points that coincide share one label, one name a line
+    ax.margins(x=0.25, y=0.15)
     ax.set_xlabel("verified nodes per cycle")
     ax.set_ylabel("acceptance length (tokens per cycle)")
     ax.set_title("Acceptance length against verified nodes")
@@ -332,14 +334,35 @@ def _reliability_plot(rows: Sequence[dict[str, Any]], out: Path) -> list[str]:
         return []
     fig, ax = plt.subplots(figsize=(5, 5))
     ax.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=1, label="calibrated")
-    for r in rows:
+    styles = ["-", "--", "-.", ":"]
+    markers = ["o", "s", "^", "D", "v", "x"]
+    for i, r in enumerate(rows):  # the first drawn widest: a line that coincides with a later one shows around it
         bins = r["acceptance_reliability"]
-        ax.plot([b[0] for b in bins], [b[1] for b in bins], marker="o", markersize=3, label=r["label"])
+        ax.plot([b[0] for b in bins], [b[1] for b in bins], marker=markers[i % len(markers)], markersize=4,
+                linestyle=styles[i % len(styles)], linewidth=max(4.0 - 0.6 * i, 1.0), alpha=0.85, label=r["label"])
     ax.set_xlabel("forecast a_v (bin mean)")
     ax.set_ylabel("observed acceptance frequency")
     ax.set_title("Reliability of acceptance estimates")
     ax.legend(fontsize=6)
     return [_save(fig, out, "reliability.png")]
+
+
+def _coinciding(summary: Sequence[dict[str, Any]], x_key: str, y_key: str) -> list[tuple[tuple[float, float], list[str]]]:
+    """The (x, y) points of ``summary`` with the names of the rows at each, points within 2% of the
+    axes' spans taken as one (their labels would overlap)."""
+    points = [(float(s.get(x_key, 0) or 0), float(s.get(y_key, 0) or 0), f"{s['method']} / {s['workload']}")
+              for s in summary]
+    xs, ys = [p[0] for p in points] or [0.0], [p[1] for p in points] or [0.0]
+    dx, dy = 0.02 * ((max(xs) - min(xs)) or 1.0), 0.02 * ((max(ys) - min(ys)) or 1.0)
+    groups: list[tuple[tuple[float, float], list[str]]] = []
+    for x, y, name in points:
+        for (gx, gy), names in groups:
+            if abs(gx - x) <= dx and abs(gy - y) <= dy:
+                names.append(name)
+                break
+        else:
+            groups.append(((x, y), [name]))
+    return groups
 
 
 def _save(fig: Any, out: Path, name: str) -> str:
