@@ -279,8 +279,9 @@ def _plots(summary: Sequence[dict[str, Any]], out: Path) -> list[str]:
     names.append(_save(fig, out, "throughput.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s in summary:  # one point per run
+        ax.scatter(s.get("verified_nodes_per_cycle", 0), s.get("spec_decode_acceptance_length", 0), color="tab:blue")
     for (x, y), names_here in _coinciding(summary, "verified_nodes_per_cycle", "spec_decode_acceptance_length"):
-        ax.scatter(x, y, color="tab:blue")
         ax.annotate("\n".join(names_here), (x, y), xytext=(6, 0), textcoords="offset points", fontsize=6,
                     va="center")  # points that coincide share one label, one name a line
     ax.margins(x=0.25, y=0.15)
