@@ -29,7 +29,8 @@ from specfit.trace.format import TraceError
 PROMPTS = "workload.prompt_ids=[[5,17,99],[3,42,7],[8,9,10],[11,12,13,14]]"
 DRAFTER = ["drafter.top_k=3", "drafter.depth=2", "drafter.total_tokens=6"]
 BENCH = ["bench", "model=tiny", "methods=[eagle3_nocache,eagle3]", *DRAFTER, PROMPTS, "max_new_tokens=6", "cache.copy=torch",
-         "~cost_model", "~predictor", "selector=eagle3"]
+         "~cost_model", "~predictor", "selector=eagle3",
+         "warmup=0"]  # Ctrl-C after N decodes: no untimed warm-up decodes before the counted ones
 RECORD = ["record", "model=tiny", *DRAFTER, "~cost_model", PROMPTS, "max_new_tokens=8"]
 ROWS = 2 * 4  # methods x prompts
 
