@@ -140,7 +140,7 @@ def test_protocol_is_checked():
     registry = Registry("cache")
     from specfit.registry import PluginEntry
 
-    with pytest.raises(PluginError, match="cache plugin 'bad' .* lacks admit, begin_pass, bind, preload, resident"):
+    with pytest.raises(PluginError, match="cache plugin 'bad' .* lacks admit, admit_prefetch, begin_pass, bind, can_prefetch, preload, resident"):
         registry.add(PluginEntry("cache", "bad", NoAdmit, "test", "test", "0"))
 
 
@@ -235,7 +235,8 @@ def test_a_config_field_the_constructor_does_not_take_is_refused_at_registration
 
         def __init__(self, capacty=None, capacity_bytes=None, ways=4): ...
 
-        bind = preload = begin_pass = admit = resident = lambda self, *a: None
+        bind = preload = begin_pass = admit = resident = admit_prefetch = lambda self, *a: None
+        can_prefetch = False
 
     with pytest.raises(PluginError, match=r"cache plugin 'typo': config field cache.capacity of .*Config is not a "
                                           r"parameter of .*Typo\(\)"):

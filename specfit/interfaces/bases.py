@@ -132,9 +132,10 @@ class CostModelBase(ABC):
 class ExpertCacheBase(ABC):
     """Required: ``bind(spec) -> slots per layer``, ``admit(layer, wanted)``, ``resident()``.
     Defaults: ``preload()`` copies nothing ahead, ``begin_pass()`` does nothing,
-    ``admit_prefetch()`` admits nothing (the cache cannot prefetch)."""
+    ``admit_prefetch()`` admits nothing and ``can_prefetch`` is False (the cache cannot prefetch)."""
 
     name: ClassVar[str]
+    can_prefetch: ClassVar[bool] = False
 
     @abstractmethod
     def bind(self, spec: MoESpec) -> int:

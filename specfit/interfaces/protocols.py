@@ -59,19 +59,24 @@ class ExpertCache(Protocol):
     a layer asks ``admit`` repeatedly with the experts it still has to compute until all are done,
     so a policy may admit fewer experts than asked (when the union exceeds its slots) but at
     least one, and must never evict an expert it admitted in the same round.
-    Optional (defaults in ``ExpertCacheBase``): ``preload``, ``begin_pass``.
+    Optional (defaults in ``ExpertCacheBase``): ``preload``, ``begin_pass``, ``can_prefetch``
+    (False) and ``admit_prefetch``.
 
-    Optional, and looked up only when a prefetcher asks (so a cache without it still registers):
     ``admit_prefetch(layer, candidates: list[int], protected: frozenset[int]) -> Admission`` admits
     some of ``candidates`` (experts of ``layer`` in no slot, best first) to be copied ahead of need;
     ``slots`` and ``loads`` list the same (expert, slot) pairs. It is told this is a prefetch, so it
     may rank them differently (LRU puts them at the most-recently-used end); it must never evict an
     expert in ``protected`` (in flight, or needed by the layer now computing) and should drop a
-    candidate rather than do so. The runtime checks this. ``ExpertCacheBase``'s default admits
-    nothing (the cache cannot prefetch).
+    candidate rather than do so. The runtime checks this. A cache that admits prefetches says so
+    with ``can_prefetch = True``; ``ExpertCacheBase``'s defaults admit nothing and say False.
     """
 
     name: ClassVar[str]
+    # True when admit_prefetch admits anything: prefetchers then copy ahead through it
+    can_prefetch: ClassVar[bool]
+
+    def admit_prefetch(self, layer: int, candidates: list[int], protected: frozenset[int]) -> Admission:
+        """Some of ``candidates`` to copy ahead of need (see above)."""
 
     def bind(self, spec: MoESpec) -> int:
         """Prepare for a model; return the number of device slots per layer to allocate."""

@@ -18,7 +18,6 @@ import numpy as np
 
 from specfit.errors import PluginError
 from specfit.interfaces import guard
-from specfit.interfaces.bases import ExpertCacheBase
 from specfit.interfaces.protocols import Admission
 from specfit.types.moe import MoESpec
 from specfit.validation import is_collection
@@ -84,9 +83,8 @@ class Round:
 
 
 def can_prefetch(policy: ExpertCache) -> bool:
-    """Whether ``policy`` has its own ``admit_prefetch`` (``ExpertCacheBase``'s default admits nothing)."""
-    hook = getattr(type(policy), "admit_prefetch", None)
-    return hook is not None and hook is not ExpertCacheBase.admit_prefetch
+    """Whether ``policy`` admits prefetches (its declared ``can_prefetch``)."""
+    return policy.can_prefetch is True
 
 
 def admission_rounds(policy: ExpertCache, slot_expert: np.ndarray, layer: int, needed: list[int]) -> Iterator[Round]:

@@ -257,6 +257,7 @@ class Chaotic(ExpertCacheBase):
     random unprotected slots."""
 
     name = "chaotic"
+    can_prefetch = True  # its admit_prefetch admits
 
     def __init__(self, capacity: int, seed: int) -> None:
         self.capacity, self.rng = capacity, random.Random(seed)

@@ -19,6 +19,7 @@ class FullCache(ExpertCacheBase):
     """Loads all experts once before decoding (not counted as misses); every request is a hit."""
 
     name = "full"
+    can_prefetch = True  # admit_prefetch admits experts to copy ahead
     Config = FullCacheConfig
 
     def __init__(self, capacity: int | None = None, capacity_bytes: int | None = None) -> None:

@@ -23,6 +23,7 @@ class LRUCache(ExpertCacheBase):
     """
 
     name = "lru"
+    can_prefetch = True  # admit_prefetch admits experts to copy ahead
     Config = LRUCacheConfig
 
     def __init__(self, capacity: int | None = None, capacity_bytes: int | None = None) -> None:
