@@ -18,7 +18,7 @@ from torch import nn
 
 from specfit.decode.args import check_engine_args, check_plain_engine_args
 from specfit.decode.cycle import Cycle, CycleObserver, bind_estimator_target, target_prob
-from specfit.decode.limits import context_limit, eos_ids, native_context
+from specfit.decode.limits import context_limit, encode_prompt, eos_ids, native_context
 from specfit.decode.live import LiveVerifier, device_now
 from specfit.decode.restore import dense_placement, forward_hooks, restore_dense_placement, restore_forward_hooks
 from specfit.decode.sampling import Sampler, SamplingParams
@@ -36,7 +36,7 @@ from specfit.offload.runtime import OffloadRuntime
 from specfit.offload.store import HostExpertStore
 from specfit.types.context import TokenContext
 from specfit.types.link_profiles import LinkSettings
-from specfit.types.stats import RUNTIME_PREFETCH_COUNTS, CycleRecord, RunStats
+from specfit.types.stats import CycleRecord, RunStats
 from specfit.validation import device_arg, integer, is_collection, token_ids
 
 
@@ -361,23 +361,13 @@ class EngineCore:
             yield list(tokens)
 
     def _prefetch_counters(self) -> dict[str, int]:
-        """The prefetcher's ``counters()`` (none without one), checked: names to integers."""
-        if self.prefetch_sink is None:
-            return {}
-        counts = self.prefetch_sink.call("counters")
-        if not isinstance(counts, dict) or not all(isinstance(k, str) and type(v) is int for k, v in counts.items()):
-            raise guard.violation("prefetch", self.prefetcher, "counters",
-                                  f"must return a dict of names to ints, got {counts!r:.60}")
-        taken = sorted(set(counts) & set(RUNTIME_PREFETCH_COUNTS))
-        if taken:
-            raise guard.violation("prefetch", self.prefetcher, "counters",
-                                  f"names {taken} would replace the runtime's own prefetch_* figures")
-        return counts
+        """The prefetcher's ``counters()`` (none without one), checked."""
+        return {} if self.prefetch_sink is None else self.prefetch_sink.counters()
 
     def check_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """The prompt's token ids, or a ConfigError when it is not usable (bad ids, no tokenizer for text,
         longer than the context limit). Commands call it on every prompt before decoding any."""
-        ids = self._encode(prompt)
+        ids = encode_prompt(prompt, self.tokenizer, self.model.config.vocab_size)
         self._check_prompt_fits(len(ids))
         return ids
 
@@ -402,19 +392,3 @@ class EngineCore:
         tree, so a draft node of depth d would sit at ``sequence_tokens - 1 + d``: depths up to
         this room keep every verified token inside the context."""
         return None if self.max_model_len is None else self.max_model_len - sequence_tokens
-
-    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, (str, list, tuple)) for p in prompt):
-            raise ConfigError(f"prompt is a list of {len(prompt)} prompts: an engine decodes one prompt at a time "
-                              "(offloaded experts are served at batch size 1); call generate (or stream) once per "
-                              "prompt, or run `specfit bench` over a workload")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ConfigError("this model has no tokenizer: give the prompt as token ids (prompt_ids=[...])")
-            # the tokenizer's own defaults (BOS where it adds one); not verbose: a prompt past the model's
-            # length gets specfit's one-line error (check_prompt), not also the tokenizer's warning
-            prompt = self.tokenizer(prompt, verbose=False)["input_ids"]
-        # ints only (no floats, bools, strings or nested lists), in the vocabulary, at least one
-        return token_ids("prompt", prompt, self.model.config.vocab_size, allow_empty=False)
-
-

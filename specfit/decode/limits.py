@@ -1,5 +1,6 @@
-"""Where a decode must end besides ``max_new_tokens``: the target's context limit and its
-end-of-sequence tokens, read off its HF config, generation config and tokenizer."""
+"""A decode's prompt and where it must end besides ``max_new_tokens``: the prompt as token ids, the
+target's context limit and its end-of-sequence tokens, read off its HF config, generation config
+and tokenizer."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from specfit.errors import ConfigError
-from specfit.validation import integer
+from specfit.validation import integer, token_ids
 
 
 def context_limit(config: Any, override: int | None = None) -> int | None:
@@ -49,3 +50,20 @@ def eos_ids(model: nn.Module, tokenizer: Any) -> set[int]:
             continue
         ids |= set(eos) if isinstance(eos, (list, tuple, set)) else {int(eos)}
     return ids
+
+
+def encode_prompt(prompt: Any, tokenizer: Any, vocab_size: int) -> list[int]:
+    """One prompt as token ids: text through the tokenizer (its own defaults, BOS where it adds one),
+    ids checked (ints in the vocabulary, at least one); a list of prompts is refused."""
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, (str, list, tuple)) for p in prompt):
+        raise ConfigError(f"prompt is a list of {len(prompt)} prompts: an engine decodes one prompt at a time "
+                          "(offloaded experts are served at batch size 1); call generate (or stream) once per "
+                          "prompt, or run `specfit bench` over a workload")
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ConfigError("this model has no tokenizer: give the prompt as token ids (prompt_ids=[...])")
+        # not verbose: a prompt past the model's length gets specfit's one-line error (check_prompt),
+        # not also the tokenizer's warning
+        prompt = tokenizer(prompt, verbose=False)["input_ids"]
+    # ints only (no floats, bools, strings or nested lists), in the vocabulary, at least one
+    return token_ids("prompt", prompt, vocab_size, allow_empty=False)

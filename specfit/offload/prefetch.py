@@ -29,6 +29,7 @@ from specfit.messages import note_once
 from specfit.interfaces import guard
 from specfit.offload.admission import prefetch_loads
 from specfit.errors import PluginError, SpecfitError
+from specfit.types.stats import RUNTIME_PREFETCH_COUNTS
 
 KIND = "prefetch"  # the plug-in kind, as errors name it: "prefetch 'draft' (after_level): ..."
 
@@ -162,6 +163,17 @@ class CheckedSink:
     def call(self, hook: str, *args: Any) -> Any:
         """The prefetcher's own ``hook`` method, through :meth:`run`."""
         return self.run(hook, getattr(self.prefetcher, hook), *args)
+
+    def counters(self) -> dict[str, int]:
+        """The prefetcher's ``counters()``, checked: names to integers, none of the runtime's own."""
+        counts = self.call("counters")
+        if not isinstance(counts, dict) or not all(isinstance(k, str) and type(v) is int for k, v in counts.items()):
+            raise guard.violation(KIND, self.prefetcher, "counters", f"must return a dict of names to ints, got {counts!r:.60}")
+        taken = sorted(set(counts) & set(RUNTIME_PREFETCH_COUNTS))
+        if taken:
+            raise guard.violation(KIND, self.prefetcher, "counters",
+                                  f"names {taken} would replace the runtime's own prefetch_* figures")
+        return counts
 
     def at(self, seconds: float) -> None:
         """The cycle's clock reads ``seconds`` since it started (a replay's modelled time)."""
