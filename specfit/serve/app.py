@@ -174,7 +174,7 @@ def create_app(engine: Any, settings: ServerConfig | None = None) -> FastAPI:
                 if isinstance(item, Done):
                     use = protocol.usage(item.prompt_tokens, item.completion_tokens)
                     return JSONResponse(protocol.response(req, "".join(parts), item.all_token_ids,
-                                                         item.finish_reason, use))
+                                                         item.finish_reason, use, item.stats))
         except _Gone:
             return Response(status_code=499)
         finally:

@@ -315,8 +315,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def response(req: GenerationRequest, text: str, token_ids: list[int], finish_reason: str,
-             use: dict[str, int]) -> dict[str, Any]:
-    """The whole answer of a request without ``stream``; ``token_ids`` is specfit's extension (vLLM's name)."""
+             use: dict[str, int], stats: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The whole answer of a request without ``stream``; ``token_ids`` (vLLM's name) and ``specfit``
+    (the decode's own stats, when it ran to its end) are specfit's extensions."""
     if req.kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                   "finish_reason": finish_reason, "token_ids": token_ids}
@@ -324,8 +325,11 @@ def response(req: GenerationRequest, text: str, token_ids: list[int], finish_rea
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}
         obj = "text_completion"
-    return {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": [choice],
-            "usage": use}
+    out = {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": [choice],
+           "usage": use}
+    if stats is not None:
+        out["specfit"] = stats
+    return out
 
 
 def chunk(req: GenerationRequest, text: str | None, token_ids: list[int], finish_reason: str | None = None,

@@ -30,6 +30,10 @@ log = logging.getLogger("specfit.serve")
 
 WARMUP_PROMPT = [1, 2, 3, 4]  # token ids every vocabulary has
 WARMUP_TOKENS = 4
+# a finished decode's stats a non-streamed answer carries ("specfit": {...}): what /metrics sums
+REPORTED_STATS = ("num_prompt_tokens", "num_output_tokens", "cycles", "num_drafts", "draft_tokens", "accepted_tokens",
+                  "verified_nodes", "spec_decode_acceptance_length", "expert_cache_hits", "expert_cache_misses",
+                  "h2d_bytes", "h2d_stall_seconds", "ttft_ms", "total_seconds")
 
 
 @dataclass
@@ -50,6 +54,7 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     all_token_ids: list[int] = field(default_factory=list)
+    stats: dict[str, Any] | None = None  # the decode's own numeric stats (None: cut short by a stop string)
 
 
 @dataclass
@@ -244,9 +249,10 @@ class Worker:
                 if before is None:
                     before = engine.runtime.stats.copy()  # the decode phase starts after the prefill's token
                     metrics.ttft.observe(now - job.arrival)
-                else:
+                    last = now
+                elif event.token_ids:  # a cycle's tokens (the closing event adds none)
                     metrics.itl.observe(now - last)
-                last = now
+                    last = now
                 tokens.extend(event.token_ids)
                 metrics.generation_tokens.inc(len(event.token_ids))
                 text += event.text or ""
@@ -257,7 +263,10 @@ class Worker:
                 safe = len(text) if final else max(sent, len(text) - hold)
                 piece, sent = text[sent:safe], safe
                 if final:
-                    job.put(Done(reason, piece, list(event.token_ids), len(job.ids), len(tokens), tokens))
+                    metrics.e2e.observe(time.monotonic() - job.arrival)
+                    stats = None if event.output is None else {
+                        k: v for k, v in event.output.stats.items() if k in REPORTED_STATS}
+                    job.put(Done(reason, piece, list(event.token_ids), len(job.ids), len(tokens), tokens, stats))
                     return reason
                 job.put(Delta(piece, list(event.token_ids)))
                 if job.cancelled.is_set():
