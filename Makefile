@@ -9,7 +9,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # torch is named first so pip takes the pinned CPU build rather than resolving a CUDA one.
 $(VENV)/.installed: pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q torch==2.13.0 -e '.[test,plots,cluster]'
+	$(VENV)/bin/pip install -q torch==2.13.0 -e '.[test,plots,cluster,serve]'
 	touch $@
 
 demo: $(VENV)/.installed

@@ -31,6 +31,8 @@ commands:
   replay     run selectors, caches and cost models over a trace, vs the oracle:
              specfit replay trace.path=DIR selector=specfit predictor=history cache=lru cache.capacity=16
   report     results.jsonl files or run directories -> report.md with PNG plots
+  serve      an OpenAI-compatible HTTP server for one engine (same config as generate):
+             specfit serve model=demo drafter=eagle3 selector=specfit cost_model=union predictor=history server.port=8000
   plugins    list registered plugins (--json for machine-readable output)
   train-tokenizer / train-target / train-drafter
              train a BPE tokenizer, a Qwen3-MoE target, an EAGLE-3 head (for any supported MoE target)
@@ -49,7 +51,7 @@ Overrides use Hydra syntax; `specfit <command> --cfg job` shows every key. A mis
 
 # command -> (primary config, job)
 HYDRA_COMMANDS: dict[str, str] = {"generate": "config", "demo": "demo", "bench": "bench", "calibrate": "calibrate",
-                                 "record": "record", "replay": "replay"}
+                                 "record": "record", "replay": "replay", "serve": "serve"}
 
 # command -> (module, config dataclass, function): trainers, configured by their dataclass alone
 TRAIN_COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -223,6 +225,10 @@ def _job(command: str) -> Callable:
             from specfit.commands.replay import run
 
             run(cfg, output_dir, overrides)
+        elif command == "serve":
+            from specfit.commands.serve import run
+
+            run(cfg, output_dir)
 
     return job
 
@@ -354,7 +360,7 @@ def _explain_unfolded(command: str, overrides: list[str], config_name: str, erro
 
 
 # groups only some commands read: given to another, they would change nothing without a word
-_COMMAND_GROUPS = {"replay": ("replay",), "trace": ("record", "replay")}
+_COMMAND_GROUPS = {"replay": ("replay",), "trace": ("record", "replay"), "server": ("serve",)}
 
 
 # groups a command does not read, and why
@@ -370,7 +376,10 @@ _UNTAKEN_KEYS = {"demo": (("workload", "workloads"),
                           "decodes its shipped prompts, so {key} does not apply (their rows would be labelled "
                           "demo); for other workloads: specfit bench model=demo workloads=[prose,gsm]"),
                  "generate": (_COMPARISON_KEYS, _ONE_DECODE),
-                 "calibrate": (_COMPARISON_KEYS, _ONE_DECODE)}
+                 "calibrate": (_COMPARISON_KEYS, _ONE_DECODE),
+                 "serve": ((*_COMPARISON_KEYS, "prompt", "prompt_ids", "prompt_file"),
+                           "serves its clients' prompts, so {key} does not apply; the config's sampling and "
+                           "max_new_tokens are the requests' defaults")}
 
 
 def _check_command_keys(command: str, values: dict[str, Any]) -> None:

@@ -94,6 +94,43 @@ class ReplayConfig:
 
 
 @dataclass
+class ServerConfig:
+    """`specfit serve` (docs/user-guide.md, "Serving"): where it listens and its limits; only that
+    command composes it (serve.yaml), every other command has ``server: null``."""
+
+    host: str = "127.0.0.1"  # loopback by default: 0.0.0.0 exposes the server to the network
+    port: int = 8000  # 0: any free port (the one taken is printed)
+    model_name: str = "specfit"  # the name clients give as "model" (GET /v1/models lists it)
+    api_key: str | None = None  # set: /v1/* needs "Authorization: Bearer <api_key>", else 401
+    max_waiting: int = 64  # requests queued behind the running one; beyond it: 503 with Retry-After
+    request_timeout: float = 300.0  # seconds from arrival (queue included) before a request ends with an error
+    max_body_bytes: int = 1_000_000  # a larger request body: 413
+    shutdown_timeout: float = 10.0  # SIGTERM: seconds the running request may take to finish, then cancelled
+    warmup: bool = True  # decode a few tokens before /health says ready
+    log_level: str = "warning"  # uvicorn's: critical | error | warning | info | debug | trace
+
+    def __post_init__(self) -> None:
+        from specfit.validation import choice, integer, number
+
+        if not isinstance(self.host, str) or not self.host.strip():
+            raise ConfigError(f"server.host={self.host!r} must be a host name or address (default 127.0.0.1)")
+        port = integer("server.port", self.port, minimum=0)
+        if port > 65535:
+            raise ConfigError(f"server.port={port} is out of range: a TCP port is 0..65535 (0: any free port)")
+        if not isinstance(self.model_name, str) or not self.model_name.strip():
+            raise ConfigError("server.model_name is empty: name the model clients ask for (default specfit)")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
+            raise ConfigError("server.api_key is empty: give a key, or null for none")
+        integer("server.max_waiting", self.max_waiting, minimum=0)
+        integer("server.max_body_bytes", self.max_body_bytes, minimum=1024)
+        for key in ("request_timeout", "shutdown_timeout"):
+            value = number(f"server.{key}", getattr(self, key), minimum=0)
+            if not value > 0 or value == float("inf"):
+                raise ConfigError(f"server.{key}={value!r} must be a positive number of seconds")
+        choice("server.log_level", self.log_level, ("critical", "error", "warning", "info", "debug", "trace"))
+
+
+@dataclass
 class SpecfitConfig:
     model: ModelConfig = MISSING
     drafter: DrafterConfig = MISSING
@@ -134,6 +171,7 @@ class SpecfitConfig:
     # time a setup that drafts needs one) | off (the stored one or none: never measures) | force
     # (measure it again now, in full, and store it)
     calibration: str = "auto"
+    server: ServerConfig | None = None  # specfit serve only (conf/serve.yaml)
     verbose: bool = False  # errors with their full traceback (as HYDRA_FULL_ERROR=1 does), not one line
 
 
@@ -414,6 +452,8 @@ def _check_values(cfg: DictConfig) -> None:
     check_expert_compute(cfg.model.expert_compute)
     _check_workload(cfg.workload)
     _check_replay(cfg.replay)
+    if cfg.get("server") is not None:
+        OmegaConf.to_object(cfg.server)  # ServerConfig's own checks (port range, limits)
     for kind in PLUGIN_BASES:
         node = cfg.get(kind)
         if node is not None:
