@@ -28,7 +28,8 @@ from specfit.errors import ConfigError, PluginError, SpecfitError
 from specfit.interfaces import hookspecs
 from specfit.interfaces.configs import CONSUMED_ELSEWHERE, PLUGIN_BASES
 from specfit.interfaces.contracts import check_plugin_instance, remedy
-from specfit.interfaces.protocols import KINDS, contract
+from specfit.interfaces.protocols import KINDS
+from specfit.interfaces.contracts import contract
 
 ENTRY_POINT_GROUP = "specfit"
 

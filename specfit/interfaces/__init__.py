@@ -63,23 +63,19 @@ from specfit.interfaces.configs import (
 )
 from specfit.interfaces.contracts import check_plugin_instance
 from specfit.interfaces.hookspecs import hookimpl, hookspec
+from specfit.interfaces.exchange import ACCEPTED_KEY, Admission, Selection, SelectionContext
 from specfit.interfaces.protocols import (
-    ACCEPTED_KEY,
     KINDS,
     AcceptanceEstimator,
-    Admission,
-    Contract,
     CostModel,
     Drafter,
     ExpertCache,
     ExpertPredictor,
     PrefetchSink,
     Prefetcher,
-    Selection,
-    SelectionContext,
     Selector,
-    contract,
 )
+from specfit.interfaces.contracts import Contract, contract
 from specfit.messages import note_once
 from specfit.types.acceptance import AcceptanceScore, conditional, settled
 from specfit.types.context import ORDERS, ContextView, TokenContext

@@ -15,7 +15,7 @@ import numpy as np
 
 from specfit.types.tree import DraftTree
 from specfit.errors import ConfigError
-from specfit.interfaces.protocols import Admission, Selection, SelectionContext
+from specfit.interfaces.exchange import Admission, Selection, SelectionContext
 
 if TYPE_CHECKING:
     from specfit.types.costs import CostConstants

@@ -7,10 +7,11 @@ The registry checks classes when they register; these check the objects a run is
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 from specfit.errors import ConfigError, PluginError
-from specfit.interfaces.protocols import KINDS, contract
+from specfit.interfaces.protocols import KINDS
 from specfit.validation import is_collection
 
 
@@ -60,3 +61,33 @@ def check_parts(parts: dict[str, Any], context: str = "") -> None:
         if parts.get(needed) is None:
             raise ConfigError(f"selector={selector.name} needs a {needed}: set {needed}=..."
                               f" (e.g. {'cost_model=union' if needed == 'cost_model' else 'predictor=history'}){context}")
+
+
+@dataclass(frozen=True)
+class Contract:
+    """The members of a kind's Protocol, split by when they can be checked.
+
+    ``on_class``: methods and class attributes, checked when a class registers; ``on_instance``:
+    attributes and properties, which a plug-in may as well set in ``__init__`` (a drafter's
+    ``depth``), checked on the built object before it is bound.
+    """
+
+    on_class: tuple[str, ...]
+    on_instance: tuple[str, ...]
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return tuple(sorted(self.on_class + self.on_instance))
+
+
+def contract(kind: str) -> Contract:
+    """What the core uses of a ``kind`` plug-in, read from its Protocol (``name`` excluded)."""
+    protocol = KINDS[kind]
+    on_class = {n for n, v in vars(protocol).items() if not n.startswith("_") and callable(v)}
+    on_instance = {n for n, v in vars(protocol).items() if not n.startswith("_") and isinstance(v, property)}
+    annotations = vars(protocol).get("__annotations__", {})
+    for member, annotation in annotations.items():
+        if member.startswith("_") or member == "name":
+            continue
+        (on_class if str(annotation).startswith("ClassVar") else on_instance).add(member)
+    return Contract(tuple(sorted(on_class)), tuple(sorted(on_instance)))

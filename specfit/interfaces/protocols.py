@@ -16,11 +16,11 @@ then the per-cycle methods. All of this runs on the host; tensors stay on the de
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from specfit.interfaces.exchange import Admission, Selection, SelectionContext
 from specfit.types.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -29,26 +29,6 @@ if TYPE_CHECKING:
     from specfit.types.costs import CostConstants
     from specfit.types.moe import MoESpec
     from specfit.search import SearchProblem
-
-
-# SelectionContext.extra key under which a trace replay hands selectors the nodes the target will
-# accept (tree node indices, root excluded): only the oracle selector reads it.
-ACCEPTED_KEY = "trace_accepted"
-
-
-# --------------------------------------------------------------------------- expert caches
-
-
-@dataclass(frozen=True)
-class Admission:
-    """One round of a layer's pass: the experts that may compute now and the copies they need.
-
-    ``slots`` maps every admitted expert to its device slot; ``loads`` lists the (expert, slot)
-    pairs that must be copied in first (the misses). Experts already resident are hits.
-    """
-
-    slots: dict[int, int]
-    loads: list[tuple[int, int]]
 
 
 @runtime_checkable
@@ -139,35 +119,6 @@ class Drafter(Protocol):
     def commit(self, tokens: Sequence[int], features: torch.Tensor | None, next_token: int) -> None:
         """The target verified and kept ``tokens`` (the root, then the accepted path; ``features``
         are the target's at their positions) and produced ``next_token``, the next root."""
-
-
-# --------------------------------------------------------------------------- selection
-
-
-@dataclass
-class SelectionContext:
-    """What a selector may look at besides the tree."""
-
-    resident: np.ndarray  # bool [layers, experts], cache residency when verification starts
-    draft_seconds: float  # time this cycle has already spent (drafting and selecting)
-    max_depth: int  # the drafter's depth limit (lower near the context limit)
-    max_nodes: int  # the drafter's limit on verified nodes (EAGLE's total_tokens)
-    cost_model: CostModel | None = None
-    # float [layers, experts]: seconds until each expert is usable (0.0 resident, > 0 in flight, inf
-    # absent), from the offload runtime (or a replay's modelled link); None where nothing is known
-    arriving: np.ndarray | None = None
-    # what a particular run adds: a trace replay puts the path the target will accept under
-    # ACCEPTED_KEY; a live run leaves it empty
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Selection:
-    """The nodes to verify (ancestor-closed) and whether drafting should stop."""
-
-    nodes: list[int]
-    stop: bool = False
-    predicted: dict[str, float] = field(default_factory=dict)  # e.g. rho, expected tokens, seconds
 
 
 @runtime_checkable
@@ -432,31 +383,3 @@ KINDS: dict[str, type] = {
 }
 
 
-@dataclass(frozen=True)
-class Contract:
-    """The members of a kind's Protocol, split by when they can be checked.
-
-    ``on_class``: methods and class attributes, checked when a class registers; ``on_instance``:
-    attributes and properties, which a plug-in may as well set in ``__init__`` (a drafter's
-    ``depth``), checked on the built object before it is bound.
-    """
-
-    on_class: tuple[str, ...]
-    on_instance: tuple[str, ...]
-
-    @property
-    def members(self) -> tuple[str, ...]:
-        return tuple(sorted(self.on_class + self.on_instance))
-
-
-def contract(kind: str) -> Contract:
-    """What the core uses of a ``kind`` plug-in, read from its Protocol (``name`` excluded)."""
-    protocol = KINDS[kind]
-    on_class = {n for n, v in vars(protocol).items() if not n.startswith("_") and callable(v)}
-    on_instance = {n for n, v in vars(protocol).items() if not n.startswith("_") and isinstance(v, property)}
-    annotations = vars(protocol).get("__annotations__", {})
-    for member, annotation in annotations.items():
-        if member.startswith("_") or member == "name":
-            continue
-        (on_class if str(annotation).startswith("ClassVar") else on_instance).add(member)
-    return Contract(tuple(sorted(on_class)), tuple(sorted(on_instance)))

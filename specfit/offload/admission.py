@@ -18,7 +18,7 @@ import numpy as np
 
 from specfit.errors import PluginError
 from specfit.interfaces import guard
-from specfit.interfaces.protocols import Admission
+from specfit.interfaces.exchange import Admission
 from specfit.types.moe import MoESpec
 from specfit.validation import is_collection
 

@@ -64,7 +64,7 @@ import numpy as np
 
 from specfit.errors import ConfigError
 from specfit.files import check_writable, missing_directory, remove_stale_temporaries, write_atomic
-from specfit.interfaces.protocols import ACCEPTED_KEY  # noqa: F401 - defined with SelectionContext; replay imports it here
+from specfit.interfaces.exchange import ACCEPTED_KEY  # noqa: F401 - defined with SelectionContext; replay imports it here
 
 FORMAT = "specfit-trace"
 VERSION = 3
