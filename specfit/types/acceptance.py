@@ -124,7 +124,7 @@ class AcceptanceScore:
                 "acceptance_reliability": self.reliability()}
 
 
-# --------------------------------------------------------------------------- traces
+# --------------------------------------------------------------------------- settled trees, scored
 
 
 @dataclass
@@ -147,8 +147,3 @@ def score(estimator: Any, trees: Sequence[SettledTree] | Iterator[SettledTree], 
         if learn:
             estimator.observe(item.tree, item.verified, item.accepted)
     return result
-
-
-# --------------------------------------------------------------------------- building
-
-
