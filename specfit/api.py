@@ -275,7 +275,7 @@ def _attach_calibration(engine: Engine, prompts: Sequence[Any] | None, mode: str
     if _named_calibration(engine, model) or (model.calibrated and mode != "force"):
         return
     path = calibration_path(engine)
-    if mode != "force" and path.is_file() and _load_stored(engine, model, path):
+    if mode != "force" and path.is_file() and _load_stored(engine, model, path, older_too=mode == "off"):
         return
     if engine.drafter.depth == 0 and mode != "force":
         return  # no draft tree is ever selected from: the constants would go unused
@@ -307,11 +307,12 @@ def _named_calibration(engine: Engine, model: Any) -> bool:
     return True
 
 
-def _load_stored(engine: Engine, model: Any, path: Path) -> bool:
+def _load_stored(engine: Engine, model: Any, path: Path, older_too: bool = False) -> bool:
     """This setup's stored calibration into ``model``; False when it is of an older fit (measured
-    again). A provisional one is used, said once, and refined from this run's cycles."""
+    again; ``older_too``: used all the same, as ``calibration=off`` asks). A provisional one is
+    used, said once, and refined from this run's cycles."""
     version = stored_fit_version(path)
-    if version is not None and version < FIT_VERSION:
+    if version is not None and version < FIT_VERSION and not older_too:
         print(f"specfit: the stored calibration {path} was fitted by an older specfit (fit version {version} < "
               f"{FIT_VERSION}); measuring it again", file=sys.stderr)
         return False

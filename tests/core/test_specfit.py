@@ -296,6 +296,12 @@ def test_calibration_off_never_measures_and_a_setup_that_cannot_draft_never_cali
     assert plain.generate([5, 17, 99], max_new_tokens=3).token_ids
     specfit.build(specfit.compose(CALIBRATED))  # auto: measured once
     assert specfit.build(specfit.compose([*CALIBRATED, "calibration=off"])).cost_model.calibrated  # off: the stored one
+    (path,) = tmp_path.glob("calibration/*.json")
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "fit_version": 1}))  # an older fit: auto measures again, off uses it
+    capsys.readouterr()
+    assert specfit.build(specfit.compose([*CALIBRATED, "calibration=off"])).cost_model.calibrated
+    assert "measuring it again" not in capsys.readouterr().err
     with pytest.raises(ConfigError, match="calibration='sometimes'"):
         specfit.compose([*CALIBRATED, "calibration=sometimes"])
 
@@ -314,21 +320,18 @@ def test_the_refiner_stores_what_the_runs_refined_and_trusts_it_once_it_predicts
     monkeypatch.setattr(refine, "save_constants", lambda path, c, engine, report: path.write_text(
         json.dumps({"constants": c.to_json(), "report": report})))
     records = measured_cycles(np.random.default_rng(3))
-    off = dataclasses.replace(TRUTH, c0=TRUTH.c0 * 20, provisional=True, source="online")
-    engine = _Refined(off)
-    refiner = refine.ProvisionalRefiner(engine, tmp_path / "c.json")
-    for r in records:
-        refiner.cycle_ended(r)
-    refiner.decode_ended()
-    stored = json.loads((tmp_path / "c.json").read_text())
+
+    def decode_with(constants):
+        engine = _Refined(dataclasses.replace(constants, provisional=True, source="online"))
+        refiner = refine.ProvisionalRefiner(engine, tmp_path / "c.json")
+        for r in records:
+            refiner.cycle_ended(r)
+        refiner.decode_ended()
+        return engine, refiner, json.loads((tmp_path / "c.json").read_text())
+
+    _, _, stored = decode_with(dataclasses.replace(TRUTH, c0=TRUTH.c0 * 20))  # refined, still far off
     assert stored["constants"]["provisional"] is True and stored["report"]["refined_from_cycles"] == len(records)
-    good = dataclasses.replace(TRUTH, provisional=True, source="online")  # refined to the truth
-    engine = _Refined(good)
-    refiner = refine.ProvisionalRefiner(engine, tmp_path / "c.json")
-    for r in records:
-        refiner.cycle_ended(r)
-    refiner.decode_ended()
-    stored = json.loads((tmp_path / "c.json").read_text())
+    engine, refiner, stored = decode_with(TRUTH)  # refined to the truth
     assert stored["constants"]["provisional"] is False and not engine.cost_model.constants.provisional
     (tmp_path / "c.json").unlink()
     refiner.decode_ended()  # trusted now: nothing more to store
