@@ -410,27 +410,32 @@ def _check_override_syntax(command: str, args: list[str]) -> None:
     """The first mistakes of a shell command line, each one line with its fix: a value the shell
     split at a space (``prompt=Hello world``), or a comma that makes the value a Hydra list
     (``prompt=Hello, world``). Other parse errors are left to compose(), which names them."""
-    overrides = [(a, parsed) for a, parsed in _parsed_overrides(args)]
+    overrides = list(_parsed_overrides(args))
+
+    def words_from(start: int) -> list[str]:  # the bare words (no '=') from overrides[start] on
+        return [a for a, _ in itertools.takewhile(lambda o: "=" not in o[0], overrides[start:])]
+
+    def stdin_hint(key: str) -> str:
+        return "; or read the prompt from standard input: prompt_file=-" if key == "prompt" else ""
+
     for i, (arg, parsed) in enumerate(overrides):
         if parsed is not None:
             continue
-        words = [a for a, _ in itertools.takewhile(lambda o: "=" not in o[0], overrides[i + 1:])]
         key, eq, value = arg.partition("=")
-        fix = "'{key}=\"{text}\"'".format(key=key, text=" ".join([value, *words]).replace('"', '\\"'))
-        also = "; or read the prompt from standard input: prompt_file=-" if key == "prompt" else ""
         if not eq:
-            before = overrides[i - 1][0] if i and "=" in overrides[i - 1][0] else None
-            if before is None:
+            if not (i and "=" in overrides[i - 1][0]):
                 raise ConfigError(f"{arg!r} is not a key=value setting (e.g. model=demo prompt='Hi'; "
                                   f"`specfit {command} --help` lists the keys to start with)")
-            k, _, v = before.partition("=")
-            whole = " ".join([v, *[a for a, _ in itertools.takewhile(lambda o: "=" not in o[0], overrides[i:])]])
+            k, _, v = overrides[i - 1][0].partition("=")
+            whole = " ".join([v, *words_from(i)])
             raise ConfigError(f"{arg!r} is not a key=value setting: the shell split {k}={whole} at a space; quote the "
-                              f"whole setting, '{k}={whole}'" + ("; or read the prompt from standard input: "
-                                                                  "prompt_file=-" if k == "prompt" else ""))
+                              f"whole setting, '{k}={whole}'{stdin_hint(k)}")
         if "," in value and not value.lstrip().startswith(("[", "{", "'", '"')):
+            words = words_from(i + 1)
+            text = " ".join([value, *words]).replace('"', '\\"')
             raise ConfigError(f"cannot parse {arg}{' ' + ' '.join(words) if words else ''}: a comma makes the "
-                              f"value a list for Hydra; quote it inside the shell's quotes, {fix}{also}")
+                              f"value a list for Hydra; quote it inside the shell's quotes, '{key}=\"{text}\"'"
+                              f"{stdin_hint(key)}")
 
 
 def _note_given_twice(args: list[str]) -> None:

@@ -10,6 +10,7 @@ next token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import itertools
 import time
 from typing import Any, Iterator, Protocol, Sequence
 
@@ -266,11 +267,8 @@ class EngineCore:
                 self.runtime.settle_copies()  # a decode an error cut short left some: counted before this one
                 start = device_now(self.device)
                 out, decode_start = self._prefill(ids, cycle, sampler, stats, start)
-            paused = time.perf_counter()
-            yield StreamEvent(list(out), text.add(out) if text else None)
-            away += time.perf_counter() - paused
-            for tokens in self._decode(ids, out, limit, cycle, sampler, stats):
-                paused = time.perf_counter()
+            for tokens in itertools.chain([list(out)], self._decode(ids, out, limit, cycle, sampler, stats)):
+                paused = time.perf_counter()  # the prefill's first token, then each cycle's
                 yield StreamEvent(tokens, text.add(out) if text else None)
                 away += time.perf_counter() - paused
             with torch.inference_mode():

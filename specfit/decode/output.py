@@ -53,9 +53,7 @@ class IncrementalDetokenizer:
 
     def add(self, tokens: Sequence[int]) -> str:
         """The text that ``tokens`` (the output so far) adds to what was handed out before."""
-        decode = self.tokenizer.decode
-        before = decode(tokens[self.prefix:self.read], skip_special_tokens=True)
-        after = decode(tokens[self.prefix:], skip_special_tokens=True)
+        before, after = self._window(tokens)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""  # nothing new yet, or a character still incomplete
         self.prefix, self.read = self.read, len(tokens)
@@ -63,12 +61,15 @@ class IncrementalDetokenizer:
 
     def rest(self, tokens: Sequence[int]) -> str:
         """At the end: whatever is still held back (an incomplete character included)."""
-        decode = self.tokenizer.decode
-        before = decode(tokens[self.prefix:self.read], skip_special_tokens=True)
-        after = decode(tokens[self.prefix:], skip_special_tokens=True)
+        before, after = self._window(tokens)
         self.prefix = self.read = len(tokens)
         return after[len(before):] if len(after) > len(before) else ""
 
+    def _window(self, tokens: Sequence[int]) -> tuple[str, str]:
+        """The text of the window's handed-out tokens, and of the window with the new ones."""
+        decode = self.tokenizer.decode
+        return (decode(tokens[self.prefix:self.read], skip_special_tokens=True),
+                decode(tokens[self.prefix:], skip_special_tokens=True))
 
 
 def memory_info(runtime: OffloadRuntime, model: nn.Module) -> dict[str, int]:
